@@ -1,0 +1,59 @@
+"""torch.ops.pallas.add(x, y): x + y with broadcasting, like torch.add for
+tensors of one dtype."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torch_pallas.launch import launch
+from torch_pallas.ops import checks
+
+OP = "pallas::add"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
+
+
+def broadcast_shape(x: torch.Tensor, y: torch.Tensor) -> torch.Size:
+    """The output shape, after checking everything a kernel relies on."""
+    checks.tensor(OP, "x", x)
+    checks.tensor(OP, "y", y)
+    checks.same_dtype(OP, x, y)
+    checks.dtype_in(OP, "x", x.dtype, DTYPES)
+    checks.same_device(OP, x, y)
+    try:
+        return torch.broadcast_shapes(x.shape, y.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"{OP}: shapes x {tuple(x.shape)} and y {tuple(y.shape)} do not broadcast"
+        ) from None
+
+
+@torch.library.custom_op(OP, mutates_args=())
+def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    shape = broadcast_shape(x, y)
+    if math.prod(shape) == 0:
+        return x.new_empty(shape)
+    return launch("add", x.device, (x, y), {"out_shape": tuple(shape)})
+
+
+@add.register_fake
+def _(x, y):
+    return x.new_empty(broadcast_shape(x, y))
+
+
+def _setup_context(ctx, inputs, output):
+    x, y = inputs
+    ctx.shapes = (x.shape, y.shape)
+
+
+def _backward(ctx, grad):
+    # d(x + y) = grad for each operand, summed over the dimensions it was
+    # broadcast along.
+    x_shape, y_shape = ctx.shapes
+    grad_x = grad.sum_to_size(x_shape) if ctx.needs_input_grad[0] else None
+    grad_y = grad.sum_to_size(y_shape) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_y
+
+
+add.register_autograd(_backward, setup_context=_setup_context)

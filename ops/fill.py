@@ -1,0 +1,90 @@
+"""torch.ops.pallas.fill(size, value, *, dtype=None, device=None): a new
+tensor of `size` holding `value`, like torch.full.
+
+The dtype defaults as torch.full's does (bool -> bool, int -> int64,
+float -> the default float dtype). int64 and float64 are filled in 32 bits
+and widened, which is exact for the values accepted (checked).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torch_pallas import dtypes
+from torch_pallas.launch import launch
+from torch_pallas.ops import checks
+
+OP = "pallas::fill"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64)
+
+
+def result_dtype(value, dtype: torch.dtype | None) -> torch.dtype:
+    """The output dtype, after checking `value` and `dtype`."""
+    if isinstance(value, complex) or not isinstance(value, (bool, int, float)):
+        raise TypeError(f"{OP}: value must be a real number, got {value!r}")
+    if dtype is None:
+        if isinstance(value, bool):
+            dtype = torch.bool
+        elif isinstance(value, int):
+            dtype = torch.int64
+        else:
+            dtype = torch.get_default_dtype()
+    checks.dtype_in(OP, "dtype", dtype, DTYPES)
+    return dtype
+
+
+def kernel_value(value, dtype: torch.dtype):
+    """`value` as the kernel writes it: converted the way torch.full converts
+    it (ints truncate), and checked to survive the 32-bit computation."""
+    if dtype.is_floating_point:
+        value = float(value)
+        if math.isnan(value):
+            return math.nan  # one object, so compiled kernels are reused
+        if dtype == torch.float64 and float(torch.tensor(value, dtype=torch.float32)) != value:
+            raise ValueError(
+                f"{OP}: value {value!r} is not exactly representable in the float32 "
+                "the kernel computes float64 results in; use dtype=torch.float32"
+            )
+        return value
+    value = int(value)
+    if not dtypes.INT32_MIN <= value <= dtypes.INT32_MAX:
+        raise ValueError(
+            f"{OP}: value {value} does not fit the int32 the kernel computes "
+            f"{dtype} results in"
+        )
+    return value
+
+
+def _check_size(size) -> tuple:
+    for i, s in enumerate(size):
+        checks.size(OP, f"size[{i}]", s)
+    return tuple(size)
+
+
+@torch.library.custom_op(
+    OP,
+    mutates_args=(),
+    schema="(SymInt[] size, Scalar value, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
+)
+def fill(size, value, *, dtype=None, device=None):
+    size = _check_size(size)
+    dtype = result_dtype(value, dtype)
+    device = checks.factory_device(device)
+    value = kernel_value(value, dtype)
+    if math.prod(size) == 0:
+        return torch.empty(size, dtype=dtype, device=device)
+    kernel_dtype = dtypes.COMPUTED_IN_32_BITS.get(dtype, dtype)
+    out = launch(
+        "fill", device,
+        params={"shape": size, "value": value, "dtype": dtypes.jax_name(kernel_dtype)},
+    )
+    return out.to(dtype)
+
+
+@fill.register_fake
+def _(size, value, *, dtype=None, device=None):
+    size = _check_size(size)
+    dtype = result_dtype(value, dtype)
+    return torch.empty(size, dtype=dtype, device=checks.factory_device(device))

@@ -1,0 +1,49 @@
+"""torch.ops.pallas.iota(n, *, dtype=None, device=None): [0, 1, ..., n-1],
+like torch.arange(n) (int64 by default).
+
+The kernel counts in int32 and writes the output dtype; int64 and float64
+results are widened from 32 bits, exact for every n accepted (n < 2**31).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_pallas import dtypes
+from torch_pallas.launch import launch
+from torch_pallas.ops import checks
+
+OP = "pallas::iota"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64)
+
+
+def _check(n, dtype) -> torch.dtype:
+    checks.size(OP, "n", n)
+    torch._check(
+        n <= dtypes.INT32_MAX,
+        lambda: f"{OP}: n={n} is too large; the kernel counts in int32 (n < 2**31)",
+    )
+    dtype = torch.int64 if dtype is None else dtype
+    checks.dtype_in(OP, "dtype", dtype, DTYPES)
+    return dtype
+
+
+@torch.library.custom_op(
+    OP,
+    mutates_args=(),
+    schema="(SymInt n, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
+)
+def iota(n, *, dtype=None, device=None):
+    dtype = _check(n, dtype)
+    device = checks.factory_device(device)
+    if n == 0:
+        return torch.empty((0,), dtype=dtype, device=device)
+    kernel_dtype = dtypes.COMPUTED_IN_32_BITS.get(dtype, dtype)
+    out = launch("iota", device, params={"n": n, "dtype": dtypes.jax_name(kernel_dtype)})
+    return out.to(dtype)
+
+
+@iota.register_fake
+def _(n, *, dtype=None, device=None):
+    dtype = _check(n, dtype)
+    return torch.empty((n,), dtype=dtype, device=checks.factory_device(device))

@@ -1,0 +1,42 @@
+"""torch_pallas: Pallas kernels (JAX's kernel language) as PyTorch operators."""
+
+from setuptools import setup
+
+setup(
+    name="torch_pallas",
+    version="0.1.0",
+    description="Pallas kernels (Mosaic GPU, TPU) as torch.library operators",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    # ops/ and kernels/ live at the top of the repository (one folder per layer)
+    # but install inside the package, so no top-level `ops` or `kernels` module
+    # ever lands on a user's path.
+    packages=[
+        "torch_pallas",
+        "torch_pallas.ops",
+        "torch_pallas.kernels",
+        "torch_pallas.kernels.mosaic_gpu",
+        "torch_pallas.kernels.tpu",
+    ],
+    package_dir={
+        "torch_pallas": "torch_pallas",
+        "torch_pallas.ops": "ops",
+        "torch_pallas.kernels": "kernels",
+    },
+    install_requires=[
+        # Any torch from 2.4 on (torch.library.custom_op); the lower bound keeps
+        # an installed CPU build instead of pulling a multi-GB CUDA build.
+        "torch>=2.4",
+        "jax>=0.10.2",
+        "jaxlib>=0.10.2",
+        "triton>=3.0",
+        "numpy",
+        # jax.experimental.pallas.mosaic_gpu imports absl, which jax does not
+        # declare on CPU-only installs.
+        "absl-py",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "matplotlib"],
+    },
+)

@@ -1,0 +1,63 @@
+"""The cache of compiled kernels, one entry per (op, backend, device, input
+shapes and dtypes, op parameters, config): a repeated call never re-traces.
+
+Entries are ahead-of-time compiled JAX executables (or Triton launchers).
+The cache is bounded (past `MAX_ENTRIES` the oldest entries are dropped) and thread-safe: when several threads ask for a key at once,
+one builds it and the others wait for that build.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+MAX_ENTRIES = 512
+
+
+class CompileCache:
+    def __init__(self, max_entries: int = MAX_ENTRIES):
+        self.max_entries = max_entries
+        self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._building: dict[Hashable, threading.Lock] = {}
+        self.builds = 0
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
+        with self._lock:
+            key_lock = self._building.setdefault(key, threading.Lock())
+        with key_lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = build()
+                with self._lock:
+                    self.builds += 1
+                    self._entries[key] = entry
+                    while len(self._entries) > self.max_entries:
+                        self._entries.popitem(last=False)
+                    self._building.pop(key, None)
+        return entry
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+kernels = CompileCache()
+
+
+def clear() -> None:
+    """Drops every compiled kernel (they are rebuilt on their next call)."""
+    kernels.clear()
+
+
+def size() -> int:
+    """How many compiled kernels the cache holds."""
+    return len(kernels)

@@ -1,0 +1,40 @@
+"""Python wrappers of the ops, for `torch_pallas.matmul(a, b)` and friends.
+
+Each forwards to its `torch.ops.pallas.*` op, so eager calls, autograd and
+torch.compile behave the same whichever spelling a model uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def fill(size: int | Sequence[int], value, *, dtype=None, device=None) -> torch.Tensor:
+    """A new tensor of shape `size` filled with `value`, like `torch.full`.
+
+    The dtype defaults as torch.full's does: bool for a bool value, int64 for
+    an int, the default float dtype for a float. Supported: float32,
+    float16, bfloat16, int32, and int64/float64 for values exact in 32 bits.
+    """
+    if isinstance(size, int):
+        size = (size,)
+    return torch.ops.pallas.fill(size, value, dtype=dtype, device=device)
+
+
+def iota(n: int, *, dtype=None, device=None) -> torch.Tensor:
+    """[0, 1, ..., n-1], like `torch.arange(n)` (int64 unless `dtype` says)."""
+    return torch.ops.pallas.iota(n, dtype=dtype, device=device)
+
+
+def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + y with broadcasting, like `torch.add` for tensors of one dtype
+    (float32, float16, bfloat16 or int32)."""
+    return torch.ops.pallas.add(x, y)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The product of 2-D `a` (M, K) and `b` (K, N), accumulated in float32
+    and returned in their dtype (float32, float16 or bfloat16)."""
+    return torch.ops.pallas.matmul(a, b)

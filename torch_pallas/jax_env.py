@@ -1,0 +1,111 @@
+"""JAX, imported on first use and set up for living inside a torch process.
+
+Importing torch_pallas must not initialise JAX: `import torch_pallas` only
+registers the torch ops. The first kernel call comes through here, which
+
+- keeps JAX from preallocating most of a GPU's memory (a torch process must
+  never lose its memory to JAX): `XLA_PYTHON_CLIENT_PREALLOCATE=false` unless
+  the user already chose a value;
+- tells Pallas TPU which TPU the CPU simulates (the TPU backends run on CPU,
+  whose device kind TPU code does not know);
+- builds the `interpret=` argument of each simulation backend and resets the
+  simulators' global state after a failure.
+
+Names under `jax._src` are private JAX API; each is looked up in one place
+here, with the spelling of every supported JAX version.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import types
+
+# The TPU simulated on CPU: a v5p TensorCore pair (megacore), so the TPU
+# kernels' work split across cores is exercised.
+SIMULATED_TPU_CORES = 2
+
+
+@functools.cache
+def jax() -> types.ModuleType:
+    """The `jax` module, imported without preallocating GPU memory."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return importlib.import_module("jax")
+
+
+@functools.cache
+def simulate_tpu_on_cpu() -> None:
+    """Describes a TPU for JAX's CPU device so TPU kernels can run there.
+
+    TPU `emit_pipeline` and tiling ask `pltpu.get_tpu_info()`, which looks the
+    current device kind up; "cpu" is unknown to it until registered.
+    """
+    jax()
+    from jax._src.pallas.mosaic import tpu_info
+
+    registry = getattr(tpu_info, "registry", None)
+    if registry is None:  # a JAX that no longer has the registry
+        return
+    registry.setdefault(
+        "cpu",
+        lambda: tpu_info.get_tpu_info_for_chip(
+            tpu_info.ChipVersion.TPU_V5P, SIMULATED_TPU_CORES
+        ),
+    )
+
+
+def tpu_interpret_params(*, detect_races: bool):
+    """`interpret=` for TPU interpret mode (simulated TensorCores and DMAs)."""
+    jax()
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.InterpretParams(
+        num_cores_or_threads=SIMULATED_TPU_CORES, detect_races=detect_races
+    )
+
+
+def gpu_interpret_params(*, detect_races: bool):
+    """`interpret=` for Mosaic GPU interpret mode (simulated SMEM, TMA, wgmma)."""
+    jax()
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    params = getattr(plgpu, "InterpretParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import (
+            InterpretGPUParams as params,
+        )
+    return params(detect_races=detect_races)
+
+
+def _gpu_callbacks():
+    return importlib.import_module(
+        "jax._src.pallas.mosaic_gpu.interpret.gpu_callbacks"
+    )
+
+
+def _tpu_interpreter():
+    return importlib.import_module(
+        "jax._src.pallas.mosaic.interpret.interpret_pallas_call"
+    )
+
+
+def reset_simulator(family: str) -> None:
+    """Clears a simulator's global state, which a failed kernel leaves behind
+    (until then every later kernel in the process fails)."""
+    if family == "mosaic_gpu":
+        _gpu_callbacks().reset_gpu_interpret_mode_state()
+    elif family == "tpu":
+        jax()
+        from jax.experimental.pallas import tpu as pltpu
+
+        pltpu.reset_tpu_interpret_mode_state()
+
+
+def races_found(family: str) -> bool:
+    """Whether the simulator's race detector flagged the last kernel it ran."""
+    if family == "mosaic_gpu":
+        state = getattr(_gpu_callbacks(), "_races", None)
+    else:
+        state = getattr(_tpu_interpreter(), "races", None)
+    return bool(state is not None and state.races_found)

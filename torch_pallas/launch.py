@@ -1,0 +1,146 @@
+"""One op call on its backend: select, compile once, cross DLPack, run.
+
+An op file (ops/*.py) checks its arguments, then calls `launch` with the
+torch tensors and the op's static parameters. `launch` picks the backend
+(torch_pallas.backends), fetches the compiled kernel from the cache (building
+it on the first call: the kernel module's entry point, its config for this
+backend, the backend's `interpret=` and core count), hands the tensors to JAX
+without copies, runs the kernel and hands the result back the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from torch_pallas import backends, bridge, compile_cache, dtypes, jax_env
+
+_detect_races: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "torch_pallas_detect_races", default=False
+)
+
+# The simulators keep global state (simulated memories, clocks): one
+# simulated kernel at a time in a process.
+_simulator_lock = threading.Lock()
+
+
+class RaceDetectedError(RuntimeError):
+    """A simulation backend's race detector flagged a kernel."""
+
+
+@contextlib.contextmanager
+def race_detection(enabled: bool = True) -> Iterator[None]:
+    """Runs the simulation backends (`tpu_interpret`, `mosaic_gpu_interpret`)
+    with their data-race detectors on; a flagged kernel raises
+    RaceDetectedError."""
+    token = _detect_races.set(enabled)
+    try:
+        yield
+    finally:
+        _detect_races.reset(token)
+
+
+def kernel_module(family: str, op: str):
+    return importlib.import_module(f"torch_pallas.kernels.{family}.{op}")
+
+
+def _execution_kwargs(backend: backends.Backend, detect_races: bool) -> dict[str, Any]:
+    """The arguments that say how a kernel family runs on this backend."""
+    if backend.name == "interpret":
+        jax_env.simulate_tpu_on_cpu()
+        # One TensorCore: JAX's generic interpreter has no core axis to bind.
+        return {"interpret": True, "num_cores": 1}
+    if backend.name == "tpu_interpret":
+        jax_env.simulate_tpu_on_cpu()
+        return {
+            "interpret": jax_env.tpu_interpret_params(detect_races=detect_races),
+            "num_cores": jax_env.SIMULATED_TPU_CORES,
+        }
+    if backend.name == "mosaic_gpu_interpret":
+        return {"interpret": jax_env.gpu_interpret_params(detect_races=detect_races)}
+    return {}
+
+
+@functools.cache
+def jax_device(device: torch.device):
+    jax = jax_env.jax()
+    if device.type == "cpu":
+        return jax.devices("cpu")[0]
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as e:
+        raise backends.BackendError(
+            f"torch_pallas: JAX has no GPU backend for {device} (install a CUDA "
+            f"build of jaxlib, e.g. pip install 'jax[cuda12]'): {e}"
+        ) from None
+    return gpus[device.index or 0]
+
+
+def _build(op, backend, device, avals, params, detect_races):
+    module = kernel_module(backend.family, op)
+    entry = functools.partial(
+        getattr(module, op),
+        **params,
+        config=module.default_config(backend.name),
+        **_execution_kwargs(backend, detect_races),
+    )
+    if backend.family == "triton":
+        return entry
+    jax = jax_env.jax()
+    sharding = jax.sharding.SingleDeviceSharding(jax_device(device))
+    shapes = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=sharding) for shape, dtype in avals]
+    return jax.jit(entry, out_shardings=sharding).lower(*shapes).compile()
+
+
+def launch(
+    op: str,
+    device: torch.device,
+    inputs: tuple[torch.Tensor, ...] = (),
+    params: Mapping[str, Any] | None = None,
+):
+    """Runs kernel `op` (kernels/<family>/<op>.py) on `inputs`; returns what
+    the kernel returns, as torch tensors.
+
+    `params` are the op's static parameters (hashable); they are part of the
+    compiled kernel's identity.
+    """
+    params = params or {}
+    backend = backends.select(device, f"pallas::{op}")
+    detect_races = backend.simulated and _detect_races.get()
+    avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in inputs)
+    key = (op, backend.name, device, avals, tuple(params.items()), detect_races)
+    kernel = compile_cache.kernels.get(
+        key, lambda: _build(op, backend, device, avals, params, detect_races)
+    )
+    if backend.family == "triton":
+        return kernel(*inputs)
+    arrays = [bridge.to_jax(t) for t in inputs]
+    if not backend.simulated:
+        return _to_torch(kernel(*arrays))
+    with _simulator_lock:
+        try:
+            out = kernel(*arrays)
+            jax_env.jax().block_until_ready(out)
+        except Exception:
+            jax_env.reset_simulator(backend.family)
+            raise
+        if detect_races and jax_env.races_found(backend.family):
+            raise RaceDetectedError(
+                f"pallas::{op}: backend {backend.name!r} detected a data race "
+                f"in the kernel (inputs {avals}, parameters {params})"
+            )
+    return _to_torch(out)
+
+
+def _to_torch(out):
+    if isinstance(out, (tuple, list)):
+        return tuple(bridge.to_torch(a) for a in out)
+    return bridge.to_torch(out)
+

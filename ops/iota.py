@@ -1,7 +1,9 @@
 """torch.ops.pallas.iota(n, *, dtype=None, device=None): [0, 1, ..., n-1],
 like torch.arange(n) (int64 by default).
 
-The kernel counts in int32 and writes the output dtype; int64 and float64
+Each value is the integer rounded once to the dtype (torch.arange in
+bfloat16 rounds some values past 4096 differently). The kernel counts in
+int32 and writes the output dtype; int64 and float64
 results are widened from 32 bits, exact for every n accepted (n < 2**31).
 """
 
@@ -38,7 +40,8 @@ def iota(n, *, dtype=None, device=None):
     device = checks.factory_device(device)
     if n == 0:
         return torch.empty((0,), dtype=dtype, device=device)
-    kernel_dtype = dtypes.COMPUTED_IN_32_BITS.get(dtype, dtype)
+    # 64-bit results: count in int32 (exact below 2**31), widen afterwards.
+    kernel_dtype = torch.int32 if dtype in dtypes.COMPUTED_IN_32_BITS else dtype
     out = launch("iota", device, params={"n": n, "dtype": dtypes.jax_name(kernel_dtype)})
     return out.to(dtype)
 

@@ -1,0 +1,38 @@
+"""Helpers the tests share: the CPU backends, random inputs, and a verbose
+bounded comparison that prints the first mismatches."""
+
+from __future__ import annotations
+
+import torch
+
+# Every backend that runs on this machine's CPU.
+CPU_BACKENDS = ("interpret", "tpu_interpret", "mosaic_gpu_interpret")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def assert_within(out: torch.Tensor, ref: torch.Tensor, bound, what: str = "") -> None:
+    """|out - ref| <= bound elementwise (bound: tensor or number); on failure
+    the message lists the first mismatching positions."""
+    assert out.shape == ref.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    err = (out.double() - ref.double()).abs()
+    bad = ~(err <= bound)  # NaN counts as a mismatch
+    if bad.any():
+        idx = bad.nonzero()[:5]
+        bound_t = torch.as_tensor(bound, dtype=torch.float64).expand_as(err)
+        rows = [
+            f"  at {tuple(i.tolist())}: got {out[tuple(i)].item()!r}, "
+            f"expected {ref[tuple(i)].item()!r} (|err| {err[tuple(i)].item():.3g} > "
+            f"{bound_t[tuple(i)].item():.3g})"
+            for i in idx
+        ]
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {err.numel()} elements out of bounds, "
+            f"max |err| {err.max().item():.3g}\n" + "\n".join(rows)
+        )
+
+
+def random_tensor(shape, dtype, scale: float = 1.0) -> torch.Tensor:
+    """Random values of `dtype`: normal floats, or ints in [-1000, 1000)."""
+    if dtype.is_floating_point:
+        return (torch.randn(shape, dtype=torch.float32) * scale).to(dtype)
+    return torch.randint(-1000, 1000, shape, dtype=dtype)

@@ -1,0 +1,53 @@
+"""Backend selection: defaults by device, the two ways to override, and
+clear errors for a backend that cannot serve a call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_pallas
+from torch_pallas import backends
+from helpers import CPU_BACKENDS
+
+
+def test_cpu_default_is_interpret(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    assert backends.select(torch.device("cpu"), "pallas::add").name == "interpret"
+
+
+def test_context_manager_overrides_and_restores(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    with torch_pallas.backend("tpu_interpret") as chosen:
+        assert chosen.name == "tpu_interpret"
+        assert backends.select(torch.device("cpu"), "op").name == "tpu_interpret"
+        with torch_pallas.backend("mosaic_gpu_interpret"):
+            assert backends.select(torch.device("cpu"), "op").name == "mosaic_gpu_interpret"
+        assert backends.select(torch.device("cpu"), "op").name == "tpu_interpret"
+    assert backends.select(torch.device("cpu"), "op").name == "interpret"
+
+
+def test_environment_variable_overrides(monkeypatch):
+    monkeypatch.setenv(backends.ENV_VAR, "mosaic_gpu_interpret")
+    assert backends.select(torch.device("cpu"), "op").name == "mosaic_gpu_interpret"
+    x, y = torch.randn(10), torch.randn(10)
+    torch.testing.assert_close(torch.ops.pallas.add(x, y), x + y)
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match="unknown backend 'cuda_magic'.*interpret"):
+        with torch_pallas.backend("cuda_magic"):
+            pass
+
+
+@pytest.mark.parametrize("name", ["mosaic_gpu", "triton"])
+def test_gpu_backend_on_cpu_tensors_raises_naming_it(monkeypatch, name):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with torch_pallas.backend(name):
+        with pytest.raises(torch_pallas.BackendError, match=f"pallas::add: backend '{name}'"):
+            torch.ops.pallas.add(torch.randn(3), torch.randn(3))
+
+
+def test_every_cpu_backend_is_listed():
+    for name in CPU_BACKENDS:
+        assert torch_pallas.BACKENDS[name].device_type == "cpu"

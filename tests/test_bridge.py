@@ -1,0 +1,111 @@
+"""The torch <-> JAX bridge: zero copies, awkward layouts, no narrowing,
+lazy JAX, and the compile cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch_pallas
+from torch_pallas import bridge, compile_cache
+
+
+def test_contiguous_tensors_cross_without_copies():
+    t = torch.randn(64, 33)
+    a = bridge.to_jax(t)
+    assert bridge.shares_memory(t, a)
+    back = bridge.to_torch(a)
+    assert back.data_ptr() == t.data_ptr()
+    torch.testing.assert_close(back, t)
+
+
+def test_kernel_output_reaches_torch_without_a_copy():
+    from torch_pallas import jax_env
+
+    jnp = jax_env.jax().numpy
+    out = jnp.arange(1000, dtype=jnp.float32) * 2
+    t = bridge.to_torch(out)
+    assert bridge.shares_memory(t, out)
+    assert torch.equal(t, torch.arange(1000, dtype=torch.float32) * 2)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(5, 1).expand(5, 7),  # stride 0
+        lambda: torch.randn(7, 5).t(),  # transposed
+        lambda: torch.randn(10, 14)[::2, 1::2],  # strided
+        lambda: torch.randn(3, 7, requires_grad=True),  # requires grad
+        lambda: torch.randn(101)[1:36],  # storage offset
+    ],
+    ids=["expanded", "transposed", "strided", "requires_grad", "offset"],
+)
+def test_awkward_layouts_cross_with_their_values(make):
+    t = make()
+    a = bridge.to_jax(t)
+    assert tuple(a.shape) == tuple(t.shape)
+    assert torch.equal(bridge.to_torch(a), t.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_64_bit_tensors_are_refused_not_narrowed(dtype):
+    with pytest.raises(TypeError, match="narrowed"):
+        bridge.to_jax(torch.zeros(3, dtype=dtype))
+
+
+def test_outputs_do_not_alias_inputs_that_torch_mutates_later():
+    x, y = torch.randn(50), torch.randn(50)
+    out = torch.ops.pallas.add(x, y)
+    expected = out.clone()
+    x.add_(100.0)  # the op's result must not see this
+    assert torch.equal(out, expected)
+
+
+def run_python(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_PREALLOCATE"}
+    return subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env=env
+    ).stdout
+
+
+def test_import_does_not_import_jax():
+    out = run_python(
+        "import sys, torch, torch_pallas; print(torch.ops.pallas.matmul); "
+        "print('jax' in sys.modules)"
+    )
+    assert out.split() == ["pallas.matmul", "False"]
+
+
+def test_first_call_imports_jax_without_gpu_preallocation():
+    out = run_python(
+        "import os, torch, torch_pallas; torch_pallas.add(torch.ones(2), torch.ones(2)); "
+        "print(os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'])"
+    )
+    assert out.strip() == "false"
+
+
+def test_repeated_calls_reuse_the_compiled_kernel():
+    a, b = torch.randn(21, 11), torch.randn(11, 5)
+    torch.ops.pallas.matmul(a, b)
+    builds = compile_cache.kernels.builds
+    for _ in range(3):
+        torch.ops.pallas.matmul(torch.randn(21, 11), torch.randn(11, 5))
+    assert compile_cache.kernels.builds == builds
+    torch.ops.pallas.matmul(torch.randn(22, 11), b)  # a new shape is a new kernel
+    assert compile_cache.kernels.builds == builds + 1
+
+
+def test_compile_cache_is_bounded_and_clearable():
+    cache = compile_cache.CompileCache(max_entries=3)
+    for i in range(5):
+        cache.get(i, lambda i=i: f"kernel {i}")
+    assert len(cache) == 3 and cache.builds == 5
+    assert cache.get(4, lambda: "rebuilt") == "kernel 4"
+    cache.clear()
+    assert len(cache) == 0
+    torch_pallas.clear_cache()
+    assert compile_cache.size() == 0

@@ -1,0 +1,74 @@
+"""pallas::fill against torch.full on every CPU backend."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import torch_pallas
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
+SIZES = [(1,), (7,), (1000,), (3, 1001), (2, 3, 5), (64, 128)]
+
+
+def random_value(dtype):
+    if dtype.is_floating_point:
+        return random.uniform(-1e3, 1e3)
+    return random.randint(-(2**31), 2**31 - 1)
+
+
+@pytest.fixture(autouse=True)
+def _seed_python_random(request):
+    random.seed(request.node.nodeid)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", SIZES)
+def test_fill_matches_torch_full(cpu_backend, size, dtype):
+    value = random_value(dtype)
+    out = torch.ops.pallas.fill(size, value, dtype=dtype)
+    assert torch.equal(out, torch.full(size, value, dtype=dtype))
+
+
+@pytest.mark.parametrize("value,dtype", [(3, torch.int64), (2.5, None), (-1.5, torch.float64)])
+def test_fill_default_and_64_bit_dtypes_like_torch_full(value, dtype):
+    out = torch.ops.pallas.fill((4, 3), value, dtype=dtype)
+    expected = torch.full((4, 3), value, dtype=dtype)
+    assert out.dtype == expected.dtype
+    assert torch.equal(out, expected)
+
+
+def test_fill_converts_like_torch_full():
+    # A float value into an int dtype truncates toward zero, as in torch.
+    assert torch.equal(
+        torch.ops.pallas.fill((5,), -2.7, dtype=torch.int32),
+        torch.full((5,), -2.7, dtype=torch.int32),
+    )
+    assert torch.ops.pallas.fill((3,), float("nan"), dtype=torch.float32).isnan().all()
+
+
+@pytest.mark.parametrize(
+    "value,dtype,words",
+    [
+        (2**40, torch.int64, "does not fit the int32"),
+        (0.1, torch.float64, "not exactly representable"),
+        (True, None, "torch.bool"),
+        (1 + 2j, torch.float32, "real number"),
+    ],
+)
+def test_fill_refuses_what_it_cannot_do_exactly(value, dtype, words):
+    with pytest.raises((TypeError, ValueError), match=words) as info:
+        torch.ops.pallas.fill((3,), value, dtype=dtype)
+    assert "pallas::fill" in str(info.value)
+
+
+def test_fill_wrapper_accepts_an_int_size():
+    out = torch_pallas.fill(6, 1.25)
+    assert torch.equal(out, torch.full((6,), 1.25))
+
+
+def test_fill_empty_and_device():
+    out = torch.ops.pallas.fill((0, 4), 1.0, device="cpu")
+    assert out.shape == (0, 4) and out.device.type == "cpu"

@@ -1,0 +1,56 @@
+"""Race detection in the simulators: the seed's planted race is caught, the
+shipped kernels are clean."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import torch_pallas
+from torch_pallas import jax_env
+
+
+def test_tpu_interpret_catches_the_seed_fill_42_race():
+    # The Pallas TPU quickstart's fill_42 on two TensorCores: both cores
+    # write the whole output, the redundancy the quickstart warns about.
+    jax = jax_env.jax()
+    jnp = jax.numpy
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    jax_env.simulate_tpu_on_cpu()
+
+    @functools.partial(
+        pl.kernel,
+        out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+        mesh=pltpu.create_tensorcore_mesh("core", num_cores=jax_env.SIMULATED_TPU_CORES),
+        scratch_types=dict(o_vmem=pltpu.VMEM((128,), jnp.float32)),
+        interpret=jax_env.tpu_interpret_params(detect_races=True),
+    )
+    def fill_42(o_ref, o_vmem):
+        o_vmem[...] = jnp.full_like(o_vmem, 42.0)
+        pltpu.sync_copy(o_vmem, o_ref)
+
+    assert (fill_42() == 42.0).all()
+    assert jax_env.races_found("tpu")
+
+
+@pytest.mark.parametrize("name", ["tpu_interpret", "mosaic_gpu_interpret"])
+def test_shipped_kernels_have_no_races(name):
+    with torch_pallas.backend(name), torch_pallas.race_detection():
+        torch.ops.pallas.fill((3, 700), 2.0, dtype=torch.float32)
+        torch.ops.pallas.iota(3000, dtype=torch.int32)
+        torch.ops.pallas.add(torch.randn(70, 300), torch.randn(300))
+        torch.ops.pallas.matmul(torch.randn(130, 70), torch.randn(70, 150))
+
+
+def test_a_flagged_kernel_raises(monkeypatch):
+    monkeypatch.setattr(jax_env, "races_found", lambda family: True)
+    with torch_pallas.backend("tpu_interpret"), torch_pallas.race_detection():
+        with pytest.raises(torch_pallas.RaceDetectedError, match="pallas::add.*data race"):
+            torch.ops.pallas.add(torch.randn(8), torch.randn(8))
+    # Without detection on, the detector's state is not consulted.
+    with torch_pallas.backend("tpu_interpret"):
+        torch.ops.pallas.add(torch.randn(8), torch.randn(8))

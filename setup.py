@@ -37,6 +37,7 @@ setup(
         "absl-py",
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "matplotlib"],
+        # expecttest: torch.testing._internal (PyTorch's own sample inputs).
+        "test": ["pytest", "pytest-benchmark", "matplotlib", "expecttest"],
     },
 )

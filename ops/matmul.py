@@ -1,7 +1,21 @@
-"""torch.ops.pallas.matmul(a, b): the matrix product of 2-D a (M, K) and
-b (K, N), accumulated in float32, in a's dtype."""
+"""torch.ops.pallas.matmul(a, b): torch.matmul's semantics (1-D operands,
+batches with broadcasting, empty dimensions), accumulated in float32, in
+the operands' dtype.
+
+The op reduces every call to one batched kernel call on 3-D operands
+(batch, rows, cols) whose batch is 1 or the full batch:
+- a's batch folds into its rows when b has none (`[B, T, K] @ [K, N]` is one
+  (B*T, K) @ (K, N) product), without a copy;
+- an operand whose last two dimensions are transposed (`w.t()`, `x.mT`) is
+  passed as the contiguous tensor it views, with a transpose flag, so the
+  kernel reads it in place;
+- an operand broadcast along some batch dimensions but not all is
+  materialised (one copy); so is one with any other layout.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -13,33 +27,76 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
-    """(M, N), after checking everything a kernel relies on."""
+    """torch.matmul's output shape, after checking everything a kernel
+    relies on."""
     checks.tensor(OP, "a", a)
     checks.tensor(OP, "b", b)
     for name, t in (("a", a), ("b", b)):
-        if t.dim() != 2:
-            raise ValueError(
-                f"{OP}: {name} must be 2-D, got {name}.shape={tuple(t.shape)}"
-            )
+        if t.dim() == 0:
+            raise ValueError(f"{OP}: {name} must have at least 1 dimension, got a 0-d tensor")
     checks.same_dtype(OP, a, b, names=("a", "b"))
     checks.dtype_in(OP, "a", a.dtype, DTYPES)
     checks.same_device(OP, a, b, names=("a", "b"))
+    k_a = a.shape[-1]
+    k_b = b.shape[-2] if b.dim() >= 2 else b.shape[0]
     torch._check(
-        a.shape[1] == b.shape[0],
+        k_a == k_b,
         lambda: f"{OP}: inner dimensions differ: a.shape={tuple(a.shape)}, "
-        f"b.shape={tuple(b.shape)} (a.shape[1] must equal b.shape[0])",
+        f"b.shape={tuple(b.shape)} (a.shape[-1] must equal "
+        f"{'b.shape[-2]' if b.dim() >= 2 else 'b.shape[0]'})",
     )
-    return (a.shape[0], b.shape[1])
+    try:
+        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    except RuntimeError:
+        raise ValueError(
+            f"{OP}: batch dimensions of a.shape={tuple(a.shape)} and "
+            f"b.shape={tuple(b.shape)} do not broadcast"
+        ) from None
+    rows = (a.shape[-2],) if a.dim() >= 2 else ()
+    cols = (b.shape[-1],) if b.dim() >= 2 else ()
+    return (*batch, *rows, *cols)
+
+
+def as_kernel_operand(t: torch.Tensor, batch: tuple) -> tuple[torch.Tensor, bool]:
+    """`t` (..., rows, cols) as a 3-D (1 or B, rows, cols) operand, or as the
+    contiguous (1 or B, cols, rows) tensor it transposes, with that flag."""
+    rows, cols = t.shape[-2:]
+    if math.prod(t.shape[:-2]) == 1:
+        t = t.reshape(1, rows, cols)
+    elif tuple(t.shape[:-2]) == tuple(batch):
+        t = t.reshape(-1, rows, cols)
+    else:  # broadcast along some batch dimensions: materialised
+        t = t.expand(*batch, rows, cols).reshape(-1, rows, cols)
+    if t.is_contiguous():
+        return t, False
+    if t.mT.is_contiguous():
+        return t.mT, True
+    return t.contiguous(), False
 
 
 @torch.library.custom_op(OP, mutates_args=())
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    m, n = output_shape(a, b)
-    if m == 0 or n == 0:
-        return a.new_empty((m, n))
-    if a.shape[1] == 0:
-        return a.new_zeros((m, n))  # an empty sum
-    return launch("matmul", a.device, (a, b))
+    shape = output_shape(a, b)
+    a2 = a if a.dim() >= 2 else a.unsqueeze(0)
+    b2 = b if b.dim() >= 2 else b.unsqueeze(-1)
+    if math.prod(shape) == 0:
+        return a.new_empty(shape)
+    k = a2.shape[-1]
+    if k == 0:
+        return a.new_zeros(shape)  # an empty sum
+    batch = torch.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
+    if b2.dim() == 2 and a2.dim() > 2:
+        try:
+            a2 = a2.view(-1, k)  # fold the batch into the rows
+        except RuntimeError:
+            pass  # a layout that does not fold: a batch of a's, one b
+    a3, transpose_a = as_kernel_operand(a2, batch)
+    b3, transpose_b = as_kernel_operand(b2, batch)
+    out = launch(
+        "matmul", a.device, (a3, b3),
+        {"transpose_a": transpose_a, "transpose_b": transpose_b},
+    )
+    return out.reshape(shape)
 
 
 @matmul.register_fake
@@ -52,13 +109,58 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(
         a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None
     )
+    ctx.shapes = (a.shape, b.shape)
 
 
 def _backward(ctx, grad):
+    """dA = dC @ B^T and dB = A^T @ dC, with pallas::matmul, summed over the
+    batch dimensions each operand was broadcast along."""
     a, b = ctx.saved_tensors
-    grad_a = torch.ops.pallas.matmul(grad, b.mT) if ctx.needs_input_grad[0] else None
-    grad_b = torch.ops.pallas.matmul(a.mT, grad) if ctx.needs_input_grad[1] else None
+    a_shape, b_shape = ctx.shapes
+    # Restore the dimensions torch.matmul drops for 1-D operands.
+    a_mat = (1, a_shape[0]) if len(a_shape) == 1 else a_shape
+    b_mat = (b_shape[0], 1) if len(b_shape) == 1 else b_shape
+    batch = torch.broadcast_shapes(a_mat[:-2], b_mat[:-2])
+    grad = grad.reshape(*batch, a_mat[-2], b_mat[-1])
+    grad_a = grad_b = None
+    if ctx.needs_input_grad[0]:
+        grad_a = torch.ops.pallas.matmul(grad, b.reshape(b_mat).mT)
+        grad_a = grad_a.sum_to_size(a_mat).reshape(a_shape)
+    if ctx.needs_input_grad[1]:
+        a_rows = a.reshape(a_mat)
+        if len(b_mat) == 2:  # b has no batch: fold every batch into one product
+            grad_b = torch.ops.pallas.matmul(
+                a_rows.reshape(-1, a_mat[-1]).mT, grad.reshape(-1, b_mat[-1])
+            )
+        else:
+            grad_b = torch.ops.pallas.matmul(a_rows.mT, grad).sum_to_size(b_mat)
+        grad_b = grad_b.reshape(b_shape)
     return grad_a, grad_b
 
 
 matmul.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _register_autocast(device_type: str) -> None:
+    """Under torch.autocast, cast floating inputs to the autocast dtype the
+    way torch.matmul is cast (`torch.library.register_autocast` would fix
+    one dtype per device; autocast's dtype is chosen at run time)."""
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    exclude = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def autocast_matmul(a, b):
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(t):
+            eligible = t.is_floating_point() and t.device.type == device_type and t.dtype != torch.float64
+            return t.to(dtype) if eligible else t
+
+        with torch._C._ExcludeDispatchKeyGuard(exclude):
+            return torch.ops.pallas.matmul(cast(a), cast(b))
+
+    _autocast_library.impl("matmul", autocast_matmul, key)
+
+
+_autocast_library = torch.library.Library("pallas", "IMPL")
+for _device_type in ("cpu", "cuda"):
+    _register_autocast(_device_type)

@@ -6,10 +6,10 @@
 `with torch_pallas.backend(name):`.
 """
 
-from torch_pallas import ops  # noqa: F401  (registers torch.ops.pallas.*)
+from torch_pallas import nn, ops  # noqa: F401  (ops registers torch.ops.pallas.*)
 from torch_pallas.backends import BACKENDS, BackendError, backend
 from torch_pallas.compile_cache import clear as clear_cache
-from torch_pallas.functional import add, fill, iota, matmul
+from torch_pallas.functional import add, fill, iota, linear, matmul
 from torch_pallas.launch import RaceDetectedError, race_detection
 
 __version__ = "0.1.0"
@@ -23,6 +23,8 @@ __all__ = [
     "clear_cache",
     "fill",
     "iota",
+    "linear",
     "matmul",
+    "nn",
     "race_detection",
 ]

@@ -35,6 +35,19 @@ def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The product of 2-D `a` (M, K) and `b` (K, N), accumulated in float32
-    and returned in their dtype (float32, float16 or bfloat16)."""
+    """The matrix product with `torch.matmul`'s semantics (1-D operands,
+    broadcast batch dimensions), accumulated in float32 and returned in the
+    operands' dtype (float32, float16 or bfloat16). Differentiable; cast
+    by torch.autocast like torch.matmul."""
     return torch.ops.pallas.matmul(a, b)
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`input @ weight.T + bias` with the Pallas matmul, like
+    `torch.nn.functional.linear`. The weight's transpose is read in place and
+    the batch dimensions of `input` fold into one product."""
+    out = torch.ops.pallas.matmul(input, weight.t())
+    if bias is not None:
+        # Cast like F.linear under autocast: the output keeps its dtype.
+        out = out + bias.to(out.dtype)
+    return out

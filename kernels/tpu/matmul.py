@@ -1,13 +1,17 @@
-"""Matrix multiplication on TPU, pipelined over K with a float32 accumulator
-in VMEM (after the Pallas TPU matmul guide).
+"""Batched matrix multiplication on TPU, pipelined over K with a float32
+accumulator in VMEM (after the Pallas TPU matmul guide).
 
 `pl.kernel` runs on a TensorCore mesh; `pltpu.emit_pipeline` walks the grid
-(M/bm, N/bn, K/bk), copying A and B blocks HBM -> VMEM while the previous
-step computes. The M and N dimensions are PARALLEL (split across the
+(B/bb, M/bm, N/bn, K/bk), copying A and B blocks HBM -> VMEM while the
+previous step computes. Batch, M and N are PARALLEL (split across the
 TensorCores), K is ARBITRARY (sequential): at k == 0 the accumulator is
 zeroed, every step adds `dot(a, b)` in float32, and the last step writes the
-accumulator, cast to the output dtype, into the output block. Ragged M, N, K
-are zero-padded to whole blocks once, outside the kernel.
+accumulator, cast to the output dtype, into the output block.
+
+Operands are 3-D, (batch, rows, cols); a batch of 1 is broadcast against the
+other operand's. A transposed operand (`transpose_a`: a is (B, K, M)) is read
+in place: its blocks are contracted along their other axis, no copy. Ragged
+M, N, K (and batch) are zero-padded to whole blocks once, outside the kernel.
 """
 
 from __future__ import annotations
@@ -25,77 +29,113 @@ from torch_pallas.kernels.blocking import pad_to, round_up
 
 @dataclasses.dataclass(frozen=True)
 class MatmulConfig:
-    block_m: int | None  # None: the whole dimension in one block
+    block_b: int | None  # None: the whole dimension in one block
+    block_m: int | None
     block_n: int | None
     block_k: int | None
 
     @classmethod
     def default(cls, backend: str) -> "MatmulConfig":
-        # JAX's interpreter copies whole blocks per grid step: on CPU one
-        # block (one XLA dot) is fastest. TPU-sized blocks elsewhere.
+        # JAX's interpreter copies whole buffers per grid step: on CPU one
+        # block (one XLA dot, batched) is fastest. TPU-sized blocks elsewhere.
         if backend == "interpret":
-            return cls(block_m=None, block_n=None, block_k=None)
-        return cls(block_m=128, block_n=128, block_k=128)
+            return cls(block_b=None, block_m=None, block_n=None, block_k=None)
+        return cls(block_b=1, block_m=128, block_n=128, block_k=128)
 
 
 def default_config(backend: str) -> MatmulConfig:
     return MatmulConfig.default(backend)
 
 
-def matmul_kernel(a_hbm, b_hbm, o_hbm, acc_vmem, *, block_k, num_cores):
-    m, k = a_hbm.shape
-    _, n = b_hbm.shape
-    block_m, block_n = acc_vmem.shape
-    k_steps = k // block_k
+def matmul_kernel(a_hbm, b_hbm, o_hbm, acc_vmem, *, blocks, transpose_a, transpose_b,
+                  num_cores):
+    """blocks: (bb, bm, bn, bk); a_hbm (Ba, M, K) or (Ba, K, M), b_hbm
+    (Bb, K, N) or (Bb, N, K), o_hbm (B, M, N), with Ba, Bb in {1, B}."""
+    bb, bm, bn, bk = blocks
+    batch, m, n = o_hbm.shape
+    k = a_hbm.shape[1] if transpose_a else a_hbm.shape[2]
+    k_steps = k // bk
+    a_batched, b_batched = a_hbm.shape[0] > 1, b_hbm.shape[0] > 1
 
     def body(a_vmem, b_vmem, o_vmem):
-        k_step = pl.program_id(2)
+        k_step = pl.program_id(3)
 
         @pl.when(k_step == 0)
         def _():
             acc_vmem[...] = jnp.zeros_like(acc_vmem)
 
-        acc_vmem[...] += jnp.dot(
-            a_vmem[...], b_vmem[...], preferred_element_type=jnp.float32
+        a, b = a_vmem[...], b_vmem[...]
+        a = jnp.broadcast_to(a, (acc_vmem.shape[0], *a.shape[1:]))
+        b = jnp.broadcast_to(b, (acc_vmem.shape[0], *b.shape[1:]))
+        contract = ((1 if transpose_a else 2,), (2 if transpose_b else 1,))
+        acc_vmem[...] += jax.lax.dot_general(
+            a, b, (contract, ((0,), (0,))), preferred_element_type=jnp.float32
         )
 
         @pl.when(k_step == k_steps - 1)
         def _():
             o_vmem[...] = acc_vmem[...].astype(o_vmem.dtype)
 
+    def a_index(bi, i, j, kk):
+        bi = bi if a_batched else 0
+        return (bi, kk, i) if transpose_a else (bi, i, kk)
+
+    def b_index(bi, i, j, kk):
+        bi = bi if b_batched else 0
+        return (bi, j, kk) if transpose_b else (bi, kk, j)
+
+    a_block = (bb if a_batched else 1, *((bk, bm) if transpose_a else (bm, bk)))
+    b_block = (bb if b_batched else 1, *((bn, bk) if transpose_b else (bk, bn)))
     split = {}
     if num_cores > 1:
         split = dict(
             core_axis_name="core",
-            dimension_semantics=(pltpu.PARALLEL, pltpu.PARALLEL, pltpu.ARBITRARY),
+            dimension_semantics=(pltpu.PARALLEL,) * 3 + (pltpu.ARBITRARY,),
         )
     pltpu.emit_pipeline(
         body,
-        grid=(m // block_m, n // block_n, k_steps),
-        in_specs=[
-            pl.BlockSpec((block_m, block_k), lambda i, j, kk: (i, kk)),
-            pl.BlockSpec((block_k, block_n), lambda i, j, kk: (kk, j)),
-        ],
-        out_specs=pl.BlockSpec((block_m, block_n), lambda i, j, kk: (i, j)),
+        grid=(batch // bb, m // bm, n // bn, k_steps),
+        in_specs=[pl.BlockSpec(a_block, a_index), pl.BlockSpec(b_block, b_index)],
+        out_specs=pl.BlockSpec((bb, bm, bn), lambda bi, i, j, kk: (bi, i, j)),
         **split,
     )(a_hbm, b_hbm, o_hbm)
 
 
-def matmul(a, b, *, config: MatmulConfig, num_cores: int, interpret):
-    """a @ b for 2-D a (M, K) and b (K, N), accumulated in float32."""
-    m, k = a.shape
-    _, n = b.shape
-    block_m, block_n, block_k = config.block_m or m, config.block_n or n, config.block_k or k
-    mp, np_, kp = round_up(m, block_m), round_up(n, block_n), round_up(k, block_k)
+def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
+           num_cores: int, interpret):
+    """Batched a @ b, accumulated in float32, in a's dtype.
+
+    a: (Ba, M, K), or (Ba, K, M) with transpose_a; b: (Bb, K, N), or
+    (Bb, N, K) with transpose_b; Ba and Bb are 1 or the batch B. Returns
+    (B, M, N).
+    """
+    batch = max(a.shape[0], b.shape[0])
+    k, m = a.shape[1:] if transpose_a else a.shape[2:0:-1]
+    n = b.shape[1] if transpose_b else b.shape[2]
+    bb, bm, bn, bk = (config.block_b or batch, config.block_m or m,
+                      config.block_n or n, config.block_k or k)
+    bp, mp, np_, kp = round_up(batch, bb), round_up(m, bm), round_up(n, bn), round_up(k, bk)
+
+    def padded(x, rows, cols, transposed):
+        shape = (bp if x.shape[0] > 1 else 1, *((cols, rows) if transposed else (rows, cols)))
+        return pad_to(x, shape)
+
     out = pl.kernel(
-        functools.partial(matmul_kernel, block_k=block_k, num_cores=num_cores),
-        out_type=jax.ShapeDtypeStruct((mp, np_), a.dtype),
+        functools.partial(
+            matmul_kernel, blocks=(bb, bm, bn, bk), transpose_a=transpose_a,
+            transpose_b=transpose_b, num_cores=num_cores,
+        ),
+        out_type=jax.ShapeDtypeStruct((bp, mp, np_), a.dtype),
         mesh=pltpu.create_tensorcore_mesh("core", num_cores=num_cores),
-        scratch_types=dict(acc_vmem=pltpu.VMEM((block_m, block_n), jnp.float32)),
+        scratch_types=dict(acc_vmem=pltpu.VMEM((bb, bm, bn), jnp.float32)),
         interpret=interpret,
-    )(pad_to(a, (mp, kp)), pad_to(b, (kp, np_)))
-    return out[:m, :n]
+    )(padded(a, mp, kp, transpose_a), padded(b, kp, np_, transpose_b))
+    return out[:batch, :m, :n]
 
 
-def matmul_reference(a, b):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+def matmul_reference(a, b, *, transpose_a: bool, transpose_b: bool):
+    if transpose_a:
+        a = jnp.swapaxes(a, 1, 2)
+    if transpose_b:
+        b = jnp.swapaxes(b, 1, 2)
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)

@@ -41,8 +41,9 @@ def test_kernel_output_reaches_torch_without_a_copy():
         lambda: torch.randn(10, 14)[::2, 1::2],  # strided
         lambda: torch.randn(3, 7, requires_grad=True),  # requires grad
         lambda: torch.randn(101)[1:36],  # storage offset
+        lambda: torch.randn(9).reshape(9, 1).t().unsqueeze(-1),  # size-1 dims, odd strides
     ],
-    ids=["expanded", "transposed", "strided", "requires_grad", "offset"],
+    ids=["expanded", "transposed", "strided", "requires_grad", "offset", "size1_strides"],
 )
 def test_awkward_layouts_cross_with_their_values(make):
     t = make()

@@ -1,4 +1,5 @@
-"""pallas::matmul against a float64 reference on every CPU backend."""
+"""pallas::matmul against a float64 reference on every CPU backend:
+torch.matmul's semantics, layouts, gradients, autocast, dynamic shapes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import references
+from torch_pallas import bridge, references
+from torch_pallas.ops.matmul import as_kernel_operand
 from helpers import FLOAT_DTYPES, assert_within, random_tensor
 
 SHAPES = [  # (M, K, N): tiny, ragged everywhere, exact tiles, K not a tile multiple
@@ -22,8 +24,37 @@ def check_matmul(a, b):
     out = torch.ops.pallas.matmul(a, b)
     ref = references.matmul(a, b)
     assert out.dtype == a.dtype and out.device == a.device
+    assert out.shape == torch.matmul(a, b).shape
     assert_within(out, ref, references.matmul_error_bound(a, b, ref),
                   f"matmul {tuple(a.shape)}x{tuple(b.shape)} {a.dtype}")
+
+
+SEMANTICS = [  # (a shape, b shape): every case of torch.matmul
+    ((9,), (9,)),  # vector . vector
+    ((6, 9), (9,)),  # matrix . vector
+    ((9,), (9, 5)),  # vector . matrix
+    ((3, 6, 9), (9, 5)),  # batch . matrix (folds into one product)
+    ((3, 6, 9), (9,)),
+    ((9,), (3, 9, 5)),
+    ((6, 9), (3, 9, 5)),  # matrix . batch
+    ((2, 3, 6, 9), (2, 3, 9, 5)),  # equal batches
+    ((2, 1, 6, 9), (3, 9, 5)),  # broadcast batches
+    ((1, 6, 9), (3, 9, 5)),
+]
+
+
+@pytest.mark.parametrize("a_shape,b_shape", SEMANTICS, ids=str)
+def test_matmul_semantics_of_torch_matmul(cpu_backend, a_shape, b_shape):
+    check_matmul(random_tensor(a_shape, torch.float32), random_tensor(b_shape, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_matmul_transposed_operands(cpu_backend, dtype):
+    x = random_tensor((2, 40, 70), dtype)
+    w = random_tensor((50, 70), dtype)
+    check_matmul(x, w.t())  # x @ w.T: the Linear layout
+    check_matmul(x.mT, random_tensor((40, 30), dtype))  # a transposed batch
+    check_matmul(x.mT[1], x[0])  # a.T @ b
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -38,19 +69,43 @@ def test_matmul_large_ragged(cpu_backend, dtype):
     check_matmul(random_tensor((1000, 999), dtype), random_tensor((999, 1001), dtype))
 
 
-def test_matmul_transposed_and_strided_operands():
+def test_matmul_strided_operands():
     a = random_tensor((64, 40), torch.float32)
     b = random_tensor((70, 40), torch.float32)
-    check_matmul(a, b.t())
     check_matmul(a[::2], b.t()[:, 1::3])
+    check_matmul(a[:, ::2], b[::2, :20].t())
 
 
-@pytest.mark.parametrize("m,k,n", [(0, 5, 3), (4, 0, 3), (4, 5, 0)])
-def test_matmul_empty_dimensions(m, k, n):
-    a, b = torch.randn(m, k), torch.randn(k, n)
+def test_transposed_operands_reach_the_kernel_without_a_copy():
+    w = random_tensor((50, 70), torch.float32)
+    operand, transposed = as_kernel_operand(w.t(), batch=())
+    assert transposed and operand.data_ptr() == w.data_ptr()
+    assert bridge.shares_memory(operand, bridge.to_jax(operand))
+    x = random_tensor((4, 6, 70), torch.float32)
+    operand, transposed = as_kernel_operand(x.mT, batch=(4,))
+    assert transposed and operand.data_ptr() == x.data_ptr()
+
+
+def test_matmul_mixed_and_unsupported_dtypes_raise():
+    with pytest.raises(TypeError, match="pallas::matmul: a and b must have the same dtype"):
+        torch.ops.pallas.matmul(torch.randn(2, 3), torch.randn(3, 2, dtype=torch.float16))
+    with pytest.raises(TypeError, match="pallas::matmul: a has dtype torch.float64"):
+        torch.ops.pallas.matmul(torch.randn(2, 3).double(), torch.randn(3, 2).double())
+    with pytest.raises(TypeError, match="torch.int32, which is not supported"):
+        torch.ops.pallas.matmul(torch.ones(2, 3, dtype=torch.int32), torch.ones(3, 2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    "a_shape,b_shape",
+    [((0, 5), (5, 3)), ((4, 0), (0, 3)), ((4, 5), (5, 0)), ((0, 4, 5), (5, 3)), ((2, 4, 0), (0,))],
+    ids=str,
+)
+def test_matmul_empty_dimensions(a_shape, b_shape):
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
     out = torch.ops.pallas.matmul(a, b)
-    assert out.shape == (m, n)
-    assert torch.equal(out, torch.zeros(m, n))  # K = 0: an empty sum
+    expected = torch.matmul(a, b)
+    assert out.shape == expected.shape
+    assert torch.equal(out, expected)  # K = 0: an empty sum, zeros
 
 
 def test_matmul_gradients_match_torch():
@@ -65,6 +120,18 @@ def test_matmul_gradients_match_torch():
     torch.testing.assert_close(gb, b.grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("a_shape,b_shape", SEMANTICS, ids=str)
+def test_matmul_gradients_reduce_broadcast_dimensions(a_shape, b_shape):
+    a = torch.randn(a_shape, requires_grad=True)
+    b = torch.randn(b_shape, requires_grad=True)
+    out = torch.ops.pallas.matmul(a, b)
+    grad = torch.randn(out.shape)
+    ga, gb = torch.autograd.grad(out, (a, b), grad)
+    ea, eb = torch.autograd.grad(torch.matmul(a, b), (a, b), grad)
+    torch.testing.assert_close(ga, ea, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gb, eb, rtol=1e-5, atol=1e-5)
+
+
 def test_matmul_gradient_only_where_needed():
     a = torch.randn(8, 5, requires_grad=True)
     b = torch.randn(5, 6)  # no grad: its gradient is never computed
@@ -76,3 +143,41 @@ def test_matmul_gradient_only_where_needed():
 def test_matmul_wrapper_is_the_op():
     a, b = torch.randn(9, 4), torch.randn(4, 2)
     assert torch.equal(torch_pallas.matmul(a, b), torch.ops.pallas.matmul(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_casts_like_torch_matmul(dtype):
+    a, b = torch.randn(16, 12), torch.randn(12, 8)
+    with torch.autocast("cpu", dtype=dtype):
+        out = torch.ops.pallas.matmul(a, b)
+        expected = torch.matmul(a, b)
+    assert out.dtype == expected.dtype == dtype
+    ref = references.matmul(a.to(dtype), b.to(dtype))
+    assert_within(out, ref, references.matmul_error_bound(a.to(dtype), b.to(dtype), ref))
+
+
+def test_autocast_gradients_flow_to_float32_leaves():
+    a = torch.randn(16, 12, requires_grad=True)
+    b = torch.randn(12, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.ops.pallas.matmul(a, b).float().sum().backward()
+    assert a.grad.dtype == torch.float32
+    torch.testing.assert_close(a.grad, torch.ones(16, 8) @ b.detach().t(), rtol=2e-2, atol=2e-2)
+
+
+def test_compile_dynamic_serves_new_sizes_without_recompiling():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("inductor")
+    w = torch.randn(24, 16)
+
+    @torch.compile(backend=counter, dynamic=True, fullgraph=True)
+    def f(x):
+        return torch.ops.pallas.matmul(x, w.t()).relu()
+
+    torch._dynamo.reset()
+    # (Sizes 0 and 1 are specialised by torch.compile itself, for any op.)
+    for batch, seq in [(2, 5), (3, 7), (4, 9), (6, 11)]:
+        x = torch.randn(batch, seq, 16)
+        torch.testing.assert_close(f(x), (x @ w.t()).relu(), rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1

@@ -8,6 +8,9 @@ DLPack cannot take directly is made acceptable first, never reinterpreted:
 - a tensor that requires grad is detached (torch refuses to export it);
 - an expanded (stride 0), transposed or otherwise strided tensor is made
   contiguous (one copy; JAX rejects stride-0 and reorders the rest anyway);
+- a contiguous tensor whose size-1 dimensions carry unusual strides is
+  re-viewed with row-major strides (no copy), since JAX would otherwise
+  import it with a non-default layout that compiled kernels refuse;
 - 64-bit dtypes are refused: JAX without x64 narrows them to 32 bits silently.
 """
 
@@ -32,7 +35,18 @@ def to_jax(tensor: torch.Tensor):
         tensor = tensor.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
+    strides = row_major_strides(tensor.shape)
+    if tensor.stride() != strides:
+        tensor = tensor.as_strided(tensor.shape, strides)
     return jax_env.jax().dlpack.from_dlpack(tensor)
+
+
+def row_major_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def to_torch(array) -> torch.Tensor:

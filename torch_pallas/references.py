@@ -40,5 +40,6 @@ def matmul_error_bound(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> t
     magnitude = a.double().abs() @ b.double().abs()
     inputs = 2 * TENSOR_CORE_INPUT[a.dtype] * magnitude
     accumulate = k * 2.0**-24 * magnitude
-    output = ROUNDING[a.dtype] * ref.abs()
-    return inputs + accumulate + output + 1e-30
+    finfo = torch.finfo(a.dtype)
+    output = ROUNDING[a.dtype] * ref.abs() + finfo.tiny * finfo.eps  # subnormals too
+    return inputs + accumulate + output

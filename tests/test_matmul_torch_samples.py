@@ -1,0 +1,49 @@
+"""pallas::matmul on every sample input PyTorch's own test suite uses for
+matmul, mm, bmm and linear (torch.testing._internal's OpInfo database), on
+every CPU backend, in float32, float16 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_pallas
+from torch_pallas import references
+from helpers import FLOAT_DTYPES, assert_within
+
+op_db = pytest.importorskip(
+    "torch.testing._internal.common_methods_invocations", reason="needs expecttest"
+).op_db
+
+OPS = ("matmul", "mm", "bmm", "nn.functional.linear")
+OPINFOS = [op for op in op_db if op.name in OPS]
+
+
+def samples(dtype):
+    for opinfo in OPINFOS:
+        for sample in opinfo.sample_inputs("cpu", dtype, requires_grad=False):
+            yield opinfo.name, sample.input, sample.args
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_torch_sample_inputs(cpu_backend, dtype):
+    checked = 0
+    for name, x, args in samples(dtype):
+        what = f"{name} {tuple(x.shape)} x {[tuple(a.shape) for a in args]} {dtype}"
+        if name == "nn.functional.linear":
+            weight, bias = args[0], (args[1] if len(args) > 1 else None)
+            out, expected = torch_pallas.linear(x, weight, bias), F.linear(x, weight, bias)
+            b = weight.t()
+        else:
+            b = args[0]
+            out, expected = torch.ops.pallas.matmul(x, b), torch.matmul(x, b)
+        assert out.shape == expected.shape and out.dtype == expected.dtype, what
+        ref = references.matmul(x, b)
+        bound = references.matmul_error_bound(x, b, ref) if ref.numel() else 0.0
+        if name == "nn.functional.linear" and len(args) > 1:
+            ref = ref + args[1].double()
+            bound = bound + 2 * references.ROUNDING[dtype] * ref.abs()
+        assert_within(out, ref, bound, what)
+        checked += 1
+    assert checked >= 50  # the sample set is PyTorch's: make sure it was found

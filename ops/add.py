@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from torch_pallas.compile_path import decompose_to_triton_on_cuda
 from torch_pallas.launch import launch
 from torch_pallas.ops import checks
 
@@ -29,12 +30,15 @@ def broadcast_shape(x: torch.Tensor, y: torch.Tensor) -> torch.Size:
         ) from None
 
 
-@torch.library.custom_op(OP, mutates_args=())
-def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def add_implementation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     shape = broadcast_shape(x, y)
     if math.prod(shape) == 0:
         return x.new_empty(shape)
     return launch("add", x.device, (x, y), {"out_shape": tuple(shape)})
+
+
+add = torch.library.custom_op(OP, add_implementation, mutates_args=())
+decompose_to_triton_on_cuda(add, add_implementation)
 
 
 @add.register_fake

@@ -13,6 +13,7 @@ import math
 import torch
 
 from torch_pallas import dtypes
+from torch_pallas.compile_path import decompose_to_triton_on_cuda
 from torch_pallas.launch import launch
 from torch_pallas.ops import checks
 
@@ -63,12 +64,7 @@ def _check_size(size) -> tuple:
     return tuple(size)
 
 
-@torch.library.custom_op(
-    OP,
-    mutates_args=(),
-    schema="(SymInt[] size, Scalar value, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
-)
-def fill(size, value, *, dtype=None, device=None):
+def fill_implementation(size, value, *, dtype=None, device=None):
     size = _check_size(size)
     dtype = result_dtype(value, dtype)
     device = checks.factory_device(device)
@@ -81,6 +77,15 @@ def fill(size, value, *, dtype=None, device=None):
         params={"shape": size, "value": value, "dtype": dtypes.jax_name(kernel_dtype)},
     )
     return out.to(dtype)
+
+
+fill = torch.library.custom_op(
+    OP,
+    fill_implementation,
+    mutates_args=(),
+    schema="(SymInt[] size, Scalar value, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
+)
+decompose_to_triton_on_cuda(fill, fill_implementation)
 
 
 @fill.register_fake

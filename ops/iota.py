@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from torch_pallas import dtypes
+from torch_pallas.compile_path import decompose_to_triton_on_cuda
 from torch_pallas.launch import launch
 from torch_pallas.ops import checks
 
@@ -30,12 +31,7 @@ def _check(n, dtype) -> torch.dtype:
     return dtype
 
 
-@torch.library.custom_op(
-    OP,
-    mutates_args=(),
-    schema="(SymInt n, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
-)
-def iota(n, *, dtype=None, device=None):
+def iota_implementation(n, *, dtype=None, device=None):
     dtype = _check(n, dtype)
     device = checks.factory_device(device)
     if n == 0:
@@ -44,6 +40,15 @@ def iota(n, *, dtype=None, device=None):
     kernel_dtype = torch.int32 if dtype in dtypes.COMPUTED_IN_32_BITS else dtype
     out = launch("iota", device, params={"n": n, "dtype": dtypes.jax_name(kernel_dtype)})
     return out.to(dtype)
+
+
+iota = torch.library.custom_op(
+    OP,
+    iota_implementation,
+    mutates_args=(),
+    schema="(SymInt n, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
+)
+decompose_to_triton_on_cuda(iota, iota_implementation)
 
 
 @iota.register_fake

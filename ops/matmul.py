@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from torch_pallas.compile_path import decompose_to_triton_on_cuda
 from torch_pallas.launch import launch
 from torch_pallas.ops import checks
 
@@ -74,8 +75,7 @@ def as_kernel_operand(t: torch.Tensor, batch: tuple) -> tuple[torch.Tensor, bool
     return t.contiguous(), False
 
 
-@torch.library.custom_op(OP, mutates_args=())
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     shape = output_shape(a, b)
     a2 = a if a.dim() >= 2 else a.unsqueeze(0)
     b2 = b if b.dim() >= 2 else b.unsqueeze(-1)
@@ -97,6 +97,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         {"transpose_a": transpose_a, "transpose_b": transpose_b},
     )
     return out.reshape(shape)
+
+
+matmul = torch.library.custom_op(OP, matmul_implementation, mutates_args=())
+decompose_to_triton_on_cuda(matmul, matmul_implementation)
 
 
 @matmul.register_fake

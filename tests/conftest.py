@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 
-import pytest
 import torch
+
+# Without a GPU, the Triton kernels run in Triton's CPU interpreter. The
+# variable must be set before they are first imported (triton.jit reads it
+# at decoration time).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 
 import torch_pallas
 

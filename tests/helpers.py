@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import torch
 
-# Every backend that runs on this machine's CPU.
-CPU_BACKENDS = ("interpret", "tpu_interpret", "mosaic_gpu_interpret")
+from torch_pallas.kernels import triton as triton_kernels
+
+# Every backend that runs on this machine's CPU (Triton's under its
+# interpreter, which conftest.py turns on where there is no GPU).
+CPU_BACKENDS = ("interpret", "tpu_interpret", "mosaic_gpu_interpret") + (
+    ("triton",) if triton_kernels.interpreting() else ()
+)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

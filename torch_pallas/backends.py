@@ -29,6 +29,8 @@ from collections.abc import Iterator
 
 import torch
 
+from torch_pallas.kernels import triton as triton_kernels  # no `import triton` here
+
 ENV_VAR = "TORCH_PALLAS_BACKEND"
 
 
@@ -109,14 +111,10 @@ def default_for(device: torch.device) -> Backend:
     return BACKENDS["interpret"]
 
 
-def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def check_serves(b: Backend, device: torch.device, op: str) -> None:
     """Raises BackendError unless backend `b` can run `op` on `device`."""
     if b.name == "triton" and device.type == "cpu":
-        if triton_interpreting():
+        if triton_kernels.interpreting():
             return
         raise BackendError(
             f"{op}: backend 'triton' runs CPU tensors only under "

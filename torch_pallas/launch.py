@@ -26,6 +26,13 @@ _detect_races: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "torch_pallas_detect_races", default=False
 )
 
+# Set while AOTAutograd traces an op on CUDA tensors: kernels are then the
+# Triton ones, launched through torch.library.wrap_triton so the graph holds
+# the Triton kernel itself (see torch_pallas/compile_path.py).
+_tracing_triton: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "torch_pallas_tracing_triton", default=False
+)
+
 # The simulators keep global state (simulated memories, clocks): one
 # simulated kernel at a time in a process.
 _simulator_lock = threading.Lock()
@@ -83,7 +90,29 @@ def jax_device(device: torch.device):
     return gpus[device.index or 0]
 
 
+@contextlib.contextmanager
+def tracing_triton() -> Iterator[None]:
+    token = _tracing_triton.set(True)
+    try:
+        yield
+    finally:
+        _tracing_triton.reset(token)
+
+
+def _triton_entry(op, device, params, has_inputs, **kwargs):
+    """A Triton launcher (torch tensors in, out); a kernel without inputs is
+    told its device."""
+    module = kernel_module("triton", op)
+    if not has_inputs:
+        kwargs["device"] = device
+    return functools.partial(
+        getattr(module, op), **params, config=module.default_config("triton"), **kwargs
+    )
+
+
 def _build(op, backend, device, avals, params, detect_races):
+    if backend.family == "triton":
+        return _triton_entry(op, device, params, has_inputs=bool(avals))
     module = kernel_module(backend.family, op)
     entry = functools.partial(
         getattr(module, op),
@@ -91,12 +120,30 @@ def _build(op, backend, device, avals, params, detect_races):
         config=module.default_config(backend.name),
         **_execution_kwargs(backend, detect_races),
     )
-    if backend.family == "triton":
-        return entry
     jax = jax_env.jax()
     sharding = jax.sharding.SingleDeviceSharding(jax_device(device))
     shapes = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=sharding) for shape, dtype in avals]
     return jax.jit(entry, out_shardings=sharding).lower(*shapes).compile()
+
+
+def compiled_kernel(
+    op: str,
+    device: torch.device,
+    inputs: tuple[torch.Tensor, ...] = (),
+    params: Mapping[str, Any] | None = None,
+):
+    """(backend, kernel, cache key) for a call: the kernel compiled for these
+    inputs' shapes and dtypes, built on first use. The kernel takes and
+    returns JAX arrays (Triton kernels: torch tensors)."""
+    params = params or {}
+    backend = backends.select(device, f"pallas::{op}")
+    detect_races = backend.simulated and _detect_races.get()
+    avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in inputs)
+    key = (op, backend.name, device, avals, tuple(params.items()), detect_races)
+    kernel = compile_cache.kernels.get(
+        key, lambda: _build(op, backend, device, avals, params, detect_races)
+    )
+    return backend, kernel, key
 
 
 def launch(
@@ -111,14 +158,10 @@ def launch(
     `params` are the op's static parameters (hashable); they are part of the
     compiled kernel's identity.
     """
-    params = params or {}
-    backend = backends.select(device, f"pallas::{op}")
-    detect_races = backend.simulated and _detect_races.get()
-    avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in inputs)
-    key = (op, backend.name, device, avals, tuple(params.items()), detect_races)
-    kernel = compile_cache.kernels.get(
-        key, lambda: _build(op, backend, device, avals, params, detect_races)
-    )
+    if _tracing_triton.get():
+        entry = _triton_entry(op, device, params or {}, bool(inputs), wrap=torch.library.wrap_triton)
+        return entry(*inputs)
+    backend, kernel, key = compiled_kernel(op, device, inputs, params)
     if backend.family == "triton":
         return kernel(*inputs)
     arrays = [bridge.to_jax(t) for t in inputs]
@@ -131,10 +174,10 @@ def launch(
         except Exception:
             jax_env.reset_simulator(backend.family)
             raise
-        if detect_races and jax_env.races_found(backend.family):
+        if key[-1] and jax_env.races_found(backend.family):
             raise RaceDetectedError(
                 f"pallas::{op}: backend {backend.name!r} detected a data race "
-                f"in the kernel (inputs {avals}, parameters {params})"
+                f"in the kernel (inputs {key[3]}, parameters {params})"
             )
     return _to_torch(out)
 

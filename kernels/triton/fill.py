@@ -1,0 +1,45 @@
+"""Fill a new tensor with a constant in Triton: one program per block,
+the value passed at run time (no recompilation per value)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from torch_pallas.kernels.triton import direct, interpreter_safe_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class FillConfig:
+    block: int
+
+    @classmethod
+    def default(cls, backend: str) -> "FillConfig":
+        return cls(block=1024)
+
+
+def default_config(backend: str) -> FillConfig:
+    return FillConfig.default(backend)
+
+
+@triton.jit
+def fill_kernel(o_ptr, value, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    values = tl.full((BLOCK,), value, o_ptr.dtype.element_ty)
+    tl.store(o_ptr + offs, values, mask=offs < n)
+
+
+def fill(shape, value, dtype, *, config: FillConfig, device, wrap=direct):
+    """A new tensor of `shape` and `dtype` (a name) on `device` holding `value`."""
+    dtype = getattr(torch, dtype)
+    out = torch.empty(shape, dtype=interpreter_safe_dtype(dtype), device=device)
+    n = out.numel()
+    wrap(fill_kernel)[(triton.cdiv(n, config.block),)](out, value, n, BLOCK=config.block)
+    return out.to(dtype)
+
+
+def fill_reference(shape, value, dtype, device):
+    return torch.full(shape, value, dtype=getattr(torch, dtype), device=device)

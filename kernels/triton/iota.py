@@ -1,0 +1,43 @@
+"""[0, 1, ..., n-1] in Triton: one program per block, counting in int32 and
+converting to the output dtype."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from torch_pallas.kernels.triton import direct, interpreter_safe_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class IotaConfig:
+    block: int
+
+    @classmethod
+    def default(cls, backend: str) -> "IotaConfig":
+        return cls(block=1024)
+
+
+def default_config(backend: str) -> IotaConfig:
+    return IotaConfig.default(backend)
+
+
+@triton.jit
+def iota_kernel(o_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(o_ptr + offs, offs.to(o_ptr.dtype.element_ty), mask=offs < n)
+
+
+def iota(n, dtype, *, config: IotaConfig, device, wrap=direct):
+    """[0, 1, ..., n-1] as a new 1-D tensor of `dtype` (a name) on `device`."""
+    dtype = getattr(torch, dtype)
+    out = torch.empty((n,), dtype=interpreter_safe_dtype(dtype), device=device)
+    wrap(iota_kernel)[(triton.cdiv(n, config.block),)](out, n, BLOCK=config.block)
+    return out.to(dtype)
+
+
+def iota_reference(n, dtype, device):
+    return torch.arange(n, dtype=torch.float64, device=device).to(getattr(torch, dtype))

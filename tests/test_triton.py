@@ -1,0 +1,137 @@
+"""The torch.compile path: on CUDA the ops decompose into their Triton
+kernels; on CPU they stay opaque calls into the Pallas kernels. (The Triton
+kernels' results are checked with every other backend's, under
+TRITON_INTERPRET=1, in the op tests.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import torch_pallas
+
+# Traces every op on fake CUDA tensors (no GPU needed) through AOTAutograd
+# and prints what the graph calls. (Forward only: tracing a backward creates
+# autograd nodes on the CUDA device, which a CPU-only torch cannot.)
+FAKE_CUDA_TRACE = textwrap.dedent(
+    """
+    import torch, torch_pallas
+    from torch._functorch.aot_autograd import aot_export_module
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    class Model(torch.nn.Module):
+        def forward(self, a, b, x):
+            h = torch.ops.pallas.matmul(a, b)
+            h = torch.ops.pallas.add(h, x)
+            ramp = torch.ops.pallas.iota(h.shape[-1], dtype=h.dtype, device=h.device)
+            half = torch.ops.pallas.fill(h.shape, 0.5, dtype=h.dtype, device=h.device)
+            return (torch.ops.pallas.add(h, ramp).mul(half),)
+
+    with FakeTensorMode():
+        a = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(48, 32, device="cuda", dtype=torch.bfloat16).t()  # read in place
+        x = torch.randn(48, device="cuda", dtype=torch.bfloat16)
+        gm, _ = aot_export_module(Model(), (a, b, x), trace_joint=False)
+
+    def name(kernel):
+        while not hasattr(kernel, "__name__"):
+            kernel = kernel.fn
+        return kernel.__name__
+
+    kernels = sorted({name(kernel_side_table.get_kernel(i))
+                      for i in range(len(kernel_side_table.id_to_kernel))})
+    print("KERNELS", *kernels)
+    print("WRAPPERS", gm.code.count("higher_order.triton_kernel_wrapper_functional("))
+    print("OPAQUE", "torch.ops.pallas" in gm.code)
+    """
+)
+
+
+def test_tracing_on_cuda_tensors_reaches_the_triton_kernels():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", FAKE_CUDA_TRACE], env=env, check=True,
+        capture_output=True, text=True,
+    ).stdout
+    lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    assert lines["KERNELS"].split() == ["add_kernel", "fill_kernel", "iota_kernel", "matmul_kernel"]
+    assert int(lines["WRAPPERS"]) == 5  # matmul, add, iota, fill, add
+    assert lines["OPAQUE"] == "False"  # no call into JAX left in the graph
+
+
+def test_tracing_on_cpu_tensors_keeps_the_ops_opaque():
+    from torch._functorch.aot_autograd import aot_export_module
+
+    class Model(torch.nn.Module):
+        def forward(self, a, b):
+            return (torch.ops.pallas.add(torch.ops.pallas.matmul(a, b), b[0]),)
+
+    gm, _ = aot_export_module(Model(), (torch.randn(5, 4), torch.randn(4, 4)), trace_joint=False)
+    assert "torch.ops.pallas.matmul.default" in gm.code
+    assert "torch.ops.pallas.add.default" in gm.code
+    assert "triton_kernel_wrapper" not in gm.code
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_compiled_model_on_cuda_launches_triton_kernels_only():
+    from torch._inductor.utils import run_and_get_code
+
+    layer = torch_pallas.nn.Linear(256, 384).cuda().to(torch.bfloat16)
+    x = torch.randn(8, 100, 256, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+    out, code = run_and_get_code(compiled, x)
+    source = "\n".join(code)
+    assert "matmul_kernel" in source
+    assert "jax" not in source and "torch.ops.pallas" not in source
+    torch.testing.assert_close(out, layer(x), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_reduce_overhead_mode_gives_identical_results():
+    a = torch.randn(300, 200, device="cuda", dtype=torch.float16)
+    b = torch.randn(200, 170, device="cuda", dtype=torch.float16)
+
+    def f(a, b):
+        return torch.ops.pallas.add(torch.ops.pallas.matmul(a, b), b[0, :170])
+
+    default = torch.compile(f, fullgraph=True)(a, b)
+    for _ in range(3):  # CUDA graphs are recorded after warm-up runs
+        graphed = torch.compile(f, fullgraph=True, mode="reduce-overhead")(a, b)
+    assert torch.equal(default, graphed)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_compile_dynamic_on_cuda():
+    w = torch.randn(64, 32, device="cuda")
+    f = torch.compile(lambda x: torch.ops.pallas.matmul(x, w.t()), dynamic=True, fullgraph=True)
+    for rows in (5, 17, 33):
+        x = torch.randn(rows, 32, device="cuda")
+        torch.testing.assert_close(f(x), x @ w.t(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_compiled_training_step_on_cuda_matches_eager():
+    model = torch_pallas.nn.replace_linear(
+        torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10))
+    ).cuda()
+    x = torch.randn(32, 64, device="cuda")
+    compiled = torch.compile(model, fullgraph=True)
+    compiled(x).square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().mean().backward()
+    for got, expected in zip(grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)

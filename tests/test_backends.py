@@ -48,6 +48,6 @@ def test_gpu_backend_on_cpu_tensors_raises_naming_it(monkeypatch, name):
             torch.ops.pallas.add(torch.randn(3), torch.randn(3))
 
 
-def test_every_cpu_backend_is_listed():
+def test_every_cpu_backend_serves_cpu_tensors():
     for name in CPU_BACKENDS:
-        assert torch_pallas.BACKENDS[name].device_type == "cpu"
+        backends.check_serves(backends.get(name), torch.device("cpu"), "op")

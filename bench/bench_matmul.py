@@ -1,0 +1,49 @@
+"""pallas::matmul against torch.matmul: GFLOP/s and the ratio to torch.
+
+CPU: float32 squares 256..2048. GPU: bfloat16 and float16 squares
+1024..8192, 4096x8192x4096, and LLM shapes (M in 16, 128, 2048, 8192;
+K = 4096; N in 4096, 14336)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import record
+from providers import DEVICE, SMOKE, prepare, providers
+from torch_pallas import references
+
+if SMOKE:
+    SHAPES, DTYPES = [(64, 48, 80)], [torch.float32]
+elif DEVICE.type == "cuda":
+    SHAPES = [(n, n, n) for n in (1024, 2048, 4096, 8192)] + [(4096, 8192, 4096)] + [
+        (m, 4096, n) for m in (16, 128, 2048, 8192) for n in (4096, 14336)
+    ]
+    DTYPES = [torch.bfloat16, torch.float16]
+else:
+    SHAPES, DTYPES = [(n, n, n) for n in (256, 512, 1024, 2048)], [torch.float32]
+
+CASES = [
+    (p, shape)
+    for p in providers()
+    for shape in SHAPES
+    if not p.simulated or shape == min(SHAPES)  # simulators: the smallest only
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("provider,shape", CASES, ids=[f"{p.name}-{'x'.join(map(str, s))}" for p, s in CASES])
+def test_matmul(benchmark, provider, shape, dtype):
+    m, k, n = shape
+    a = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    b = torch.randn(k, n, device=DEVICE, dtype=dtype)
+    run = prepare(provider, "matmul", (a, b), {}, (a.reshape(1, m, k), b.reshape(1, k, n)),
+                  {"transpose_a": False, "transpose_b": False})
+    benchmark.group = f"matmul {m}x{k}x{n} {str(dtype).removeprefix('torch.')}"
+    out = benchmark(run)
+    if provider.kind != "jax":  # a benchmark of a wrong result is worthless
+        ref = references.matmul(a.cpu(), b.cpu())
+        err = (out.cpu().double().reshape(ref.shape) - ref).abs()
+        assert (err <= references.matmul_error_bound(a.cpu(), b.cpu(), ref)).all()
+    record(benchmark, provider, op="matmul", dtype=dtype, shape=shape,
+           work=2.0 * m * n * k, unit="GFLOP/s")

@@ -1,0 +1,119 @@
+"""What the benchmarks compare, side by side in one run:
+
+- ``torch``: PyTorch's own op (torch.matmul, +, torch.full, torch.arange);
+- ``pallas[<backend>]``: ``torch.ops.pallas.<op>`` on each backend available
+  here (the simulators only at the smallest size: they time a simulation);
+- ``jax[<backend>]``: the same compiled kernel called on JAX arrays, which
+  shows what the torch <-> JAX bridge costs;
+- ``triton``: the op on the Triton backend, where a GPU exists.
+
+A provider's `prepare(op, inputs, params)` returns a callable that runs one
+call and synchronises the device inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import os
+import platform
+from collections.abc import Callable
+
+import torch
+
+import torch_pallas
+from torch_pallas import bridge, launch
+
+# Tiny sizes for the smoke test of the default test run.
+SMOKE = os.environ.get("TORCH_PALLAS_BENCH_SMOKE") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SIMULATORS = ("tpu_interpret", "mosaic_gpu_interpret")
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_name() -> str:
+    if DEVICE.type == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for package in ("torch", "jax", "jaxlib", "triton"):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = "not installed"
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Provider:
+    name: str
+    backend: str | None  # the torch_pallas backend it runs on, if any
+    kind: str  # "torch", "pallas" or "jax"
+
+    @property
+    def simulated(self) -> bool:
+        return self.backend in SIMULATORS
+
+
+def providers() -> list[Provider]:
+    found = [Provider("torch", None, "torch")]
+    if DEVICE.type == "cuda":
+        major, _ = torch.cuda.get_device_capability()
+        backends = (["mosaic_gpu"] if major >= 9 else []) + ["triton"]
+    else:
+        backends = ["interpret", *SIMULATORS]
+    for name in backends:
+        found.append(Provider(f"pallas[{name}]", name, "pallas"))
+        if name != "triton":
+            found.append(Provider(f"jax[{name}]", name, "jax"))
+    return found
+
+
+TORCH_OPS: dict[str, Callable] = {
+    "matmul": torch.matmul,
+    "add": torch.add,
+    "fill": torch.full,
+    "iota": torch.arange,
+}
+
+
+def prepare(provider: Provider, op: str, args: tuple, kwargs=None, kernel_inputs=(),
+            kernel_params=None):
+    """A callable timing one call of `op` by `provider`.
+
+    `args` and `kwargs` are the op's arguments (the same for torch's op and
+    torch_pallas's); `kernel_inputs` and `kernel_params` what `launch` hands
+    the kernel for them (for the jax provider)."""
+    kwargs = kwargs or {}
+    if provider.kind == "torch":
+        fn = TORCH_OPS[op]
+    elif provider.kind == "pallas":
+        pallas_op = getattr(torch_pallas, op)
+        backend = provider.backend
+
+        def fn(*a, **kw):
+            with torch_pallas.backend(backend):
+                return pallas_op(*a, **kw)
+    else:
+        with torch_pallas.backend(provider.backend):
+            _, kernel, _ = launch.compiled_kernel(op, DEVICE, kernel_inputs, kernel_params)
+        arrays = [bridge.to_jax(t) for t in kernel_inputs]
+
+        def run():
+            return kernel(*arrays).block_until_ready()
+
+        return run
+
+    def run():
+        out = fn(*args, **kwargs)
+        synchronize()
+        return out
+
+    return run

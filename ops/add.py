@@ -22,6 +22,8 @@ def broadcast_shape(x: torch.Tensor, y: torch.Tensor) -> torch.Size:
     checks.same_dtype(OP, x, y)
     checks.dtype_in(OP, "x", x.dtype, DTYPES)
     checks.same_device(OP, x, y)
+    if x.shape == y.shape:
+        return x.shape
     try:
         return torch.broadcast_shapes(x.shape, y.shape)
     except RuntimeError:

@@ -1,0 +1,199 @@
+"""One-shot check for a machine with an NVIDIA GPU (Hopper or newer for the
+mosaic_gpu backend), meant to finish in a few minutes and need no network:
+
+1. every op on CUDA, on the `mosaic_gpu` and `triton` backends, against torch
+   on random data, ragged shapes included, and through torch.compile (whose
+   code must launch the Triton kernels, not JAX);
+2. the tests marked `gpu` (pytest -m gpu);
+3. matmul timings (bfloat16, float16) at 4096^3, 8192^3 and two LLM shapes
+   against torch.matmul, with triton.testing.do_bench (median, warm-up,
+   fresh inputs per shape), printed last as a table of TFLOP/s and the ratio
+   to torch.
+
+    python bench/gpu_check.py [--quick]
+
+Exits 1 on any wrong result, 2 when there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def gpu_backends() -> list[str]:
+    major, _ = torch.cuda.get_device_capability()
+    return (["mosaic_gpu"] if major >= 9 else []) + ["triton"]
+
+
+def check_ops(backend: str, failures: list[str]) -> None:
+    import torch_pallas
+    from torch_pallas import references
+
+    dev = "cuda"
+
+    def expect(name, ok, detail=""):
+        status = "ok" if ok else "WRONG"
+        print(f"  {backend:<11} {name:<44} {status} {detail}")
+        if not ok:
+            failures.append(f"{backend}: {name} {detail}")
+
+    def run(name, fn):
+        try:
+            fn()
+        except Exception as e:  # report and go on: one summary at the end
+            traceback.print_exc()
+            expect(name, False, f"raised {type(e).__name__}: {e}")
+
+    with torch_pallas.backend(backend):
+        for size in [(1,), (1000,), (3, 1001)]:
+            def fill(size=size):
+                value = float(torch.randn(()))
+                out = torch.ops.pallas.fill(size, value, dtype=torch.float32, device=dev)
+                expect(f"fill {size}", torch.equal(out.cpu(), torch.full(size, value)))
+            run(f"fill {size}", fill)
+        for n in (1, 1000, 5000):
+            def iota(n=n):
+                out = torch.ops.pallas.iota(n, dtype=torch.int32, device=dev)
+                expect(f"iota {n}", torch.equal(out.cpu(), torch.arange(n, dtype=torch.int32)))
+            run(f"iota {n}", iota)
+        for dtype in FLOATS:
+            def add(dtype=dtype):
+                x = torch.randn(1000, 999, device=dev, dtype=dtype)
+                y = torch.randn(999, device=dev, dtype=dtype)
+                out, ref = torch.ops.pallas.add(x, y), references.add(x.cpu(), y.cpu())
+                err = (out.cpu().double() - ref).abs()
+                expect(f"add (1000,999)+(999,) {dtype}",
+                       bool((err <= references.ROUNDING[dtype] * ref.abs()).all()))
+            run(f"add {dtype}", add)
+        cases = [((1, 1), (1, 1)), ((7, 5), (5, 3)), ((1000, 999), (999, 1001)),
+                 ((257, 129), (129, 65)), ((3, 100, 70), (70, 50)), ((2, 1, 64, 96), (3, 96, 40))]
+        for dtype in FLOATS:
+            for a_shape, b_shape in cases:
+                def matmul(a_shape=a_shape, b_shape=b_shape, dtype=dtype):
+                    a = torch.randn(a_shape, device=dev, dtype=dtype)
+                    b = torch.randn(b_shape, device=dev, dtype=dtype)
+                    for label, (x, w) in {"": (a, b), " b^T": (a, b.mT.contiguous().mT)}.items():
+                        out = torch.ops.pallas.matmul(x, w)
+                        ref = references.matmul(x.cpu(), w.cpu())
+                        bound = references.matmul_error_bound(x.cpu(), w.cpu(), ref)
+                        err = (out.cpu().double() - ref).abs()
+                        expect(f"matmul {a_shape}x{b_shape}{label} {dtype}",
+                               bool((err <= bound).all()), f"max err {err.max().item():.3g}")
+                run(f"matmul {a_shape} {dtype}", matmul)
+
+
+def check_compile(failures: list[str]) -> None:
+    from torch._inductor.utils import run_and_get_code
+
+    import torch_pallas  # noqa: F401
+
+    def f(a, b, x):
+        h = torch.ops.pallas.add(torch.ops.pallas.matmul(a, b), x)
+        return h * torch.ops.pallas.fill(h.shape, 0.5, dtype=h.dtype, device=h.device)
+
+    a = torch.randn(300, 200, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(200, 170, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(170, device="cuda", dtype=torch.bfloat16)
+    try:
+        out, code = run_and_get_code(torch.compile(f, fullgraph=True), a, b, x)
+        source = "\n".join(code)
+        eager = f(a, b, x)
+        ok = ("matmul_kernel" in source and "jax" not in source
+              and torch.allclose(out.float(), eager.float(), rtol=2e-2, atol=2e-1))
+        graphed = None
+        for _ in range(3):
+            graphed = torch.compile(f, fullgraph=True, mode="reduce-overhead")(a, b, x)
+        ok_graphs = torch.equal(graphed, out)
+    except Exception as e:
+        traceback.print_exc()
+        ok, ok_graphs = False, False
+        source = repr(e)
+    for name, good in (("torch.compile launches the Triton kernels, no JAX", ok),
+                       ("reduce-overhead (CUDA graphs) gives identical results", ok_graphs)):
+        print(f"  {'compile':<11} {name:<52} {'ok' if good else 'WRONG'}")
+        if not good:
+            failures.append(f"compile: {name}")
+
+
+def run_gpu_tests(failures: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+        cwd=ROOT,
+    )
+    if result.returncode not in (0, 5):
+        failures.append("pytest -m gpu failed")
+
+
+def time_matmuls(quick: bool) -> list[tuple]:
+    import triton.testing
+
+    import torch_pallas
+
+    shapes = [(4096, 4096, 4096), (2048, 4096, 14336), (128, 4096, 4096)]
+    if not quick:
+        shapes.insert(1, (8192, 8192, 8192))
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for m, k, n in shapes:
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            b = torch.randn(k, n, device="cuda", dtype=dtype)
+            flops = 2.0 * m * n * k
+            torch_ms = triton.testing.do_bench(lambda: torch.matmul(a, b), return_mode="median")
+            results = [("torch", torch_ms)]
+            for backend in gpu_backends():
+                with torch_pallas.backend(backend):
+                    torch.ops.pallas.matmul(a, b)  # compile outside the timing
+                    ms = triton.testing.do_bench(lambda: torch.ops.pallas.matmul(a, b),
+                                                 return_mode="median")
+                results.append((f"pallas[{backend}]", ms))
+            compiled = torch.compile(lambda a, b: torch.ops.pallas.matmul(a, b), fullgraph=True)
+            compiled(a, b)
+            results.append(("compiled (triton)",
+                            triton.testing.do_bench(lambda: compiled(a, b), return_mode="median")))
+            for name, ms in results:
+                rows.append((f"{m}x{k}x{n}", str(dtype).removeprefix("torch."), name,
+                             flops / ms / 1e9, torch_ms / ms))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="skip the 8192^3 timing")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/gpu_check.py needs an NVIDIA GPU: torch.cuda.is_available() is False "
+              "on this machine. Run it where a CUDA GPU is visible.", file=sys.stderr)
+        return 2
+    start = time.time()
+    print(f"{torch.cuda.get_device_name()} (sm{''.join(map(str, torch.cuda.get_device_capability()))}), "
+          f"backends: {', '.join(gpu_backends())}")
+    failures: list[str] = []
+    for backend in gpu_backends():
+        check_ops(backend, failures)
+    check_compile(failures)
+    run_gpu_tests(failures)
+    rows = time_matmuls(args.quick)
+
+    print(f"\nmatmul, median of triton.testing.do_bench ({time.time() - start:.0f} s in all)")
+    print(f"{'shape':<16} {'dtype':<9} {'provider':<20} {'TFLOP/s':>8} {'x torch':>8}")
+    for shape, dtype, name, tflops, ratio in rows:
+        print(f"{shape:<16} {dtype:<9} {name:<20} {tflops:8.1f} {ratio:8.2f}")
+    if failures:
+        print(f"\n{len(failures)} WRONG:", *failures, sep="\n  ")
+        return 1
+    print("\nall results correct")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -66,6 +66,7 @@ def plot(series, meta, out: Path) -> list[Path]:
         ax_t.set_yscale("log")
         ax_t.set_ylabel(f"throughput ({unit}, median)")
         ax_t.set_title(f"{op} {dtype}: throughput")
+        ax_r.set_yscale("log")  # simulators sit orders of magnitude below
         ax_r.axhline(1.0, color="gray", linestyle="--", linewidth=1)
         ax_r.set_ylabel("throughput / torch's (same run)")
         ax_r.set_title(f"{op} {dtype}: ratio to torch")

@@ -1,0 +1,214 @@
+"""Reliability inside long jobs: bad input is refused clearly before any
+kernel runs, failures leave the process healthy, threads, memory,
+determinism."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import resource
+
+import pytest
+import torch
+
+import torch_pallas
+from torch_pallas import compile_cache, launch
+from helpers import CPU_BACKENDS
+
+P = torch.ops.pallas
+f32 = dict(dtype=torch.float32)
+
+# (call, exception type, words the message must contain)
+BAD_INPUTS = [
+    (lambda: P.matmul(torch.tensor(1.0), torch.randn(3)), ValueError, ["pallas::matmul", "a", "0-d"]),
+    (lambda: P.matmul(torch.randn(4, 3), torch.randn(4, 5)), RuntimeError,
+     ["pallas::matmul", "inner dimensions", "(4, 3)", "(4, 5)"]),
+    (lambda: P.matmul(torch.randn(2, 4, 3), torch.randn(5, 3, 2)), ValueError,
+     ["pallas::matmul", "batch dimensions", "(2, 4, 3)", "(5, 3, 2)"]),
+    (lambda: P.matmul(torch.randn(2, 3), torch.randn(3, 2).half()), TypeError,
+     ["pallas::matmul", "same dtype", "torch.float32", "torch.float16"]),
+    (lambda: P.matmul(torch.randn(2, 3).double(), torch.randn(3, 2).double()), TypeError,
+     ["pallas::matmul", "a", "torch.float64", "not supported"]),
+    (lambda: P.matmul(torch.ones(2, 3, dtype=torch.bool), torch.ones(3, 2, dtype=torch.bool)),
+     TypeError, ["pallas::matmul", "torch.bool"]),
+    (lambda: P.matmul(torch.randn(2, 3, dtype=torch.complex64), torch.randn(3, 2, dtype=torch.complex64)),
+     TypeError, ["pallas::matmul", "torch.complex64"]),
+    (lambda: P.matmul(torch.randn(2, 3), torch.randn(3, 2, device="meta")), ValueError,
+     ["pallas::matmul", "same device", "cpu", "meta"]),
+    # (the torch dispatcher itself names the op, argument and type here)
+    (lambda: P.matmul(torch.randn(2, 3), "b"), RuntimeError, ["pallas::matmul", "argument 'b'", "str"]),
+    (lambda: P.add(torch.randn(3, 4), torch.randn(5)), ValueError,
+     ["pallas::add", "(3, 4)", "(5,)", "broadcast"]),
+    (lambda: P.add(torch.randn(3), torch.randn(3).bfloat16()), TypeError,
+     ["pallas::add", "same dtype", "torch.bfloat16"]),
+    (lambda: P.add(torch.ones(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64)), TypeError,
+     ["pallas::add", "torch.int64", "not supported"]),
+    (lambda: P.add(torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.bool)), TypeError,
+     ["pallas::add", "torch.bool"]),
+    (lambda: P.add(torch.randn(3), torch.randn(3, device="meta")), ValueError,
+     ["pallas::add", "same device", "meta"]),
+    (lambda: P.fill((3, -1), 1.0), RuntimeError, ["pallas::fill", "size[1]", "-1"]),
+    (lambda: P.fill((2.5,), 1.0), (TypeError, RuntimeError), ["2.5"]),
+    (lambda: P.fill((3,), 1.0, dtype=torch.complex64), TypeError, ["pallas::fill", "torch.complex64"]),
+    (lambda: P.fill((3,), 2**40, dtype=torch.int64), ValueError, ["pallas::fill", "int32", str(2**40)]),
+    (lambda: P.iota(-4), RuntimeError, ["pallas::iota", "n", "-4"]),
+    (lambda: P.iota(2**31), RuntimeError, ["pallas::iota", str(2**31), "int32"]),
+    (lambda: P.iota(5, dtype=torch.bool), TypeError, ["pallas::iota", "torch.bool"]),
+]
+
+
+@pytest.mark.parametrize("call,error,words", BAD_INPUTS, ids=[str(i) for i in range(len(BAD_INPUTS))])
+def test_bad_input_is_refused_clearly_before_any_kernel(monkeypatch, call, error, words):
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a kernel was reached")
+
+    monkeypatch.setattr(launch, "launch", no_kernel)
+    for name in ("add", "fill", "iota", "matmul"):
+        monkeypatch.setattr(f"torch_pallas.ops.{name}.launch", no_kernel)
+    with pytest.raises(error) as info:
+        call()
+    message = str(info.value)
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
+
+
+@pytest.mark.parametrize("name", ["mosaic_gpu", "triton"])
+def test_a_backend_that_cannot_serve_the_device_is_named(monkeypatch, name):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with torch_pallas.backend(name), pytest.raises(torch_pallas.BackendError, match=name):
+        P.matmul(torch.randn(2, 3), torch.randn(3, 2))
+
+
+def test_nan_and_inf_propagate_like_torch(cpu_backend):
+    x = torch.tensor([[1.0, float("nan")], [float("inf"), -2.0]])
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    torch.testing.assert_close(P.add(x, w), x + w, equal_nan=True)
+    out, expected = P.matmul(x, w), x @ w
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last),
+        lambda: torch.randn(4, 6, 8)[:, ::2].transpose(0, 1),
+        lambda: torch.randn(1, 1, 8).expand(3, 8, 8),
+        lambda: torch.randn(100)[3:67].view(8, 8),
+    ],
+    ids=["channels_last", "strided_batch_view", "expanded_batch", "offset_view"],
+)
+def test_awkward_layouts_give_right_results(make):
+    x = make()
+    w = torch.randn(8, 5)
+    torch.testing.assert_close(P.matmul(x, w), x @ w, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(P.add(x, x[..., :1]), x + x[..., :1])
+
+
+def out_of_bounds_kernels():
+    """A kernel module whose `add` reads past its input's edge, which Mosaic
+    GPU interpret mode reports by raising inside the simulated kernel."""
+    import jax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from torch_pallas.kernels.mosaic_gpu import add as real_add
+
+    class OutOfBounds:
+        default_config = staticmethod(real_add.default_config)
+
+        @staticmethod
+        def add(x, y, out_shape, *, config, interpret):
+            def body(x_gmem, o_gmem):
+                o_gmem[...] = x_gmem[pl.ds(0, 256)]  # x holds fewer
+
+            return plgpu.kernel(
+                body, out_type=jax.ShapeDtypeStruct((256,), x.dtype), interpret=interpret
+            )(x.reshape(-1))
+
+    return OutOfBounds
+
+
+def test_a_failed_simulated_kernel_leaves_the_process_healthy(monkeypatch):
+    """After a simulated kernel fails, the simulator's state is reset (the
+    failure leaves it allocated) and the next calls succeed."""
+    from torch_pallas import jax_env
+
+    real_module = launch.kernel_module
+    monkeypatch.setattr(
+        launch, "kernel_module",
+        lambda family, op: out_of_bounds_kernels() if op == "add" else real_module(family, op),
+    )
+    x, y = torch.randn(300, 7), torch.randn(7)
+    try:
+        with torch_pallas.backend("mosaic_gpu_interpret"):
+            with pytest.raises(Exception, match="Out-of-bounds read"):
+                P.add(torch.randn(77), torch.randn(77))
+            assert jax_env._gpu_callbacks()._shared_memory is None  # reset
+            monkeypatch.setattr(launch, "kernel_module", real_module)
+            torch.testing.assert_close(P.add(x, y), x + y)
+            torch.testing.assert_close(P.matmul(x.t(), x), x.t() @ x, rtol=1e-4, atol=1e-4)
+    finally:
+        compile_cache.clear()
+
+
+def test_threads_get_right_results_and_compile_each_kernel_once():
+    compile_cache.clear()
+    builds = compile_cache.kernels.builds
+    shapes = [(5 + i % 4, 9, 3 + i % 3) for i in range(64)]
+
+    def work(shape):
+        m, k, n = shape
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        x = torch.randn(m, n)
+        out = P.add(P.matmul(a, b), x)
+        return torch.allclose(out, a @ b + x, rtol=1e-5, atol=1e-5)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(work, shapes))
+    distinct = {(m, n) for m, _, n in shapes}
+    # one matmul and one add kernel per distinct shape, however many threads
+    assert compile_cache.kernels.builds - builds == 2 * len(distinct)
+
+
+def test_threads_on_a_simulator_serialise_safely():
+    def work(i):
+        x, y = torch.randn(50 + i), torch.randn(50 + i)
+        with torch_pallas.backend("tpu_interpret"):
+            return torch.equal(P.add(x, y), x + y)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(work, range(8)))
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def test_many_calls_do_not_grow_memory():
+    shapes = [(3 + i, 17) for i in range(25)]
+    for _ in range(2):  # warm up: compile every shape, settle allocators
+        for shape in shapes:
+            P.add(torch.randn(shape), torch.randn(17))
+    before = rss_mib()
+    for i in range(5000):
+        shape = shapes[i % len(shapes)]
+        P.add(torch.randn(shape), torch.randn(17))
+    grown = rss_mib() - before
+    assert grown < 20, f"resident memory grew by {grown:.1f} MiB over 5000 calls"
+
+
+def test_compile_cache_size_is_bounded():
+    assert compile_cache.kernels.max_entries == compile_cache.MAX_ENTRIES
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_same_inputs_give_bitwise_identical_outputs(backend):
+    a, b = torch.randn(70, 130), torch.randn(130, 50)
+    x, y = torch.randn(33, 70), torch.randn(70)
+    with torch_pallas.backend(backend):
+        first = (P.matmul(a, b), P.add(x, y))
+        for _ in range(2):
+            again = (P.matmul(a, b), P.add(x, y))
+            assert all(torch.equal(u, v) for u, v in zip(first, again))

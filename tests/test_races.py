@@ -37,6 +37,29 @@ def test_tpu_interpret_catches_the_seed_fill_42_race():
     assert jax_env.races_found("tpu")
 
 
+def test_mosaic_gpu_interpret_catches_a_planted_smem_race():
+    # Two warpgroups of one block write the same SMEM buffer with no barrier.
+    jax = jax_env.jax()
+    jnp = jax.numpy
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    @functools.partial(
+        plgpu.kernel,
+        out_type=jax.ShapeDtypeStruct((128,), jnp.float32),
+        scratch_types=dict(smem=plgpu.SMEM((128,), jnp.float32)),
+        num_threads=2,
+        thread_name="wg",
+        interpret=jax_env.gpu_interpret_params(detect_races=True),
+    )
+    def racy(o_ref, smem):
+        wg = jax.lax.axis_index("wg").astype(jnp.float32)
+        smem[...] = jnp.full((128,), 1.0, jnp.float32) + wg
+        o_ref[...] = smem[...]
+
+    racy()
+    assert jax_env.races_found("mosaic_gpu")
+
+
 @pytest.mark.parametrize("name", ["tpu_interpret", "mosaic_gpu_interpret"])
 def test_shipped_kernels_have_no_races(name):
     with torch_pallas.backend(name), torch_pallas.race_detection():

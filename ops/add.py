@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from torch_pallas.compile_path import decompose_to_triton_on_cuda
+from torch_pallas import library
 from torch_pallas.launch import launch
 from torch_pallas.ops import checks
 
@@ -39,12 +39,7 @@ def add_implementation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return launch("add", x.device, (x, y), {"out_shape": tuple(shape)})
 
 
-add = torch.library.custom_op(OP, add_implementation, mutates_args=())
-decompose_to_triton_on_cuda(add, add_implementation)
-
-
-@add.register_fake
-def _(x, y):
+def add_fake(x, y):
     return x.new_empty(broadcast_shape(x, y))
 
 
@@ -62,4 +57,7 @@ def _backward(ctx, grad):
     return grad_x, grad_y
 
 
-add.register_autograd(_backward, setup_context=_setup_context)
+add = library.define(
+    OP, add_implementation, fake=add_fake, backward=_backward, setup_context=_setup_context,
+    compile_path=add_implementation,
+)

@@ -12,8 +12,7 @@ import math
 
 import torch
 
-from torch_pallas import dtypes
-from torch_pallas.compile_path import decompose_to_triton_on_cuda
+from torch_pallas import dtypes, library
 from torch_pallas.launch import launch
 from torch_pallas.ops import checks
 
@@ -79,17 +78,16 @@ def fill_implementation(size, value, *, dtype=None, device=None):
     return out.to(dtype)
 
 
-fill = torch.library.custom_op(
-    OP,
-    fill_implementation,
-    mutates_args=(),
-    schema="(SymInt[] size, Scalar value, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
-)
-decompose_to_triton_on_cuda(fill, fill_implementation)
-
-
-@fill.register_fake
-def _(size, value, *, dtype=None, device=None):
+def fill_fake(size, value, *, dtype=None, device=None):
     size = _check_size(size)
     dtype = result_dtype(value, dtype)
     return torch.empty(size, dtype=dtype, device=checks.factory_device(device))
+
+
+fill = library.define(
+    OP,
+    fill_implementation,
+    schema="(SymInt[] size, Scalar value, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
+    fake=fill_fake,
+    compile_path=fill_implementation,
+)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas import dtypes
-from torch_pallas.compile_path import decompose_to_triton_on_cuda
+from torch_pallas import dtypes, library
 from torch_pallas.launch import launch
 from torch_pallas.ops import checks
 
@@ -42,16 +41,15 @@ def iota_implementation(n, *, dtype=None, device=None):
     return out.to(dtype)
 
 
-iota = torch.library.custom_op(
-    OP,
-    iota_implementation,
-    mutates_args=(),
-    schema="(SymInt n, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
-)
-decompose_to_triton_on_cuda(iota, iota_implementation)
-
-
-@iota.register_fake
-def _(n, *, dtype=None, device=None):
+def iota_fake(n, *, dtype=None, device=None):
     dtype = _check(n, dtype)
     return torch.empty((n,), dtype=dtype, device=checks.factory_device(device))
+
+
+iota = library.define(
+    OP,
+    iota_implementation,
+    schema="(SymInt n, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
+    fake=iota_fake,
+    compile_path=iota_implementation,
+)

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from torch_pallas.compile_path import decompose_to_triton_on_cuda
+from torch_pallas import library
 from torch_pallas.launch import launch
 from torch_pallas.ops import checks
 
@@ -99,12 +99,7 @@ def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out.reshape(shape)
 
 
-matmul = torch.library.custom_op(OP, matmul_implementation, mutates_args=())
-decompose_to_triton_on_cuda(matmul, matmul_implementation)
-
-
-@matmul.register_fake
-def _(a, b):
+def matmul_fake(a, b):
     return a.new_empty(output_shape(a, b))
 
 
@@ -142,7 +137,10 @@ def _backward(ctx, grad):
     return grad_a, grad_b
 
 
-matmul.register_autograd(_backward, setup_context=_setup_context)
+matmul = library.define(
+    OP, matmul_implementation, fake=matmul_fake, backward=_backward,
+    setup_context=_setup_context, compile_path=matmul_implementation,
+)
 
 
 def _register_autocast(device_type: str) -> None:

@@ -11,6 +11,7 @@ from torch_pallas.backends import BACKENDS, BackendError, backend
 from torch_pallas.compile_cache import clear as clear_cache
 from torch_pallas.functional import add, fill, iota, linear, matmul
 from torch_pallas.launch import RaceDetectedError, race_detection
+from torch_pallas.library import custom_op
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "add",
     "backend",
     "clear_cache",
+    "custom_op",
     "fill",
     "iota",
     "linear",

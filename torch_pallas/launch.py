@@ -14,8 +14,9 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import inspect
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -72,7 +73,7 @@ def _execution_kwargs(backend: backends.Backend, detect_races: bool) -> dict[str
         }
     if backend.name == "mosaic_gpu_interpret":
         return {"interpret": jax_env.gpu_interpret_params(detect_races=detect_races)}
-    return {}
+    return {"interpret": None}  # the hardware
 
 
 @functools.cache
@@ -110,16 +111,27 @@ def _triton_entry(op, device, params, has_inputs, **kwargs):
     )
 
 
-def _build(op, backend, device, avals, params, detect_races):
-    if backend.family == "triton":
+def _build(op, backend, device, avals, params, detect_races, entry):
+    if entry is not None:  # a user's JAX function (torch_pallas.custom_op)
+        if backend.family == "triton":
+            raise backends.BackendError(
+                f"{op}: backend 'triton' needs a Triton implementation of the op "
+                "(custom_op(..., triton=...))"
+            )
+        kwargs = {}
+        if "interpret" in inspect.signature(entry).parameters:
+            kwargs["interpret"] = _execution_kwargs(backend, detect_races)["interpret"]
+        entry = functools.partial(entry, **params, **kwargs)
+    elif backend.family == "triton":
         return _triton_entry(op, device, params, has_inputs=bool(avals))
-    module = kernel_module(backend.family, op)
-    entry = functools.partial(
-        getattr(module, op),
-        **params,
-        config=module.default_config(backend.name),
-        **_execution_kwargs(backend, detect_races),
-    )
+    else:
+        module = kernel_module(backend.family, op)
+        entry = functools.partial(
+            getattr(module, op),
+            **params,
+            config=module.default_config(backend.name),
+            **_execution_kwargs(backend, detect_races),
+        )
     jax = jax_env.jax()
     sharding = jax.sharding.SingleDeviceSharding(jax_device(device))
     shapes = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=sharding) for shape, dtype in avals]
@@ -131,17 +143,19 @@ def compiled_kernel(
     device: torch.device,
     inputs: tuple[torch.Tensor, ...] = (),
     params: Mapping[str, Any] | None = None,
+    entry: Callable | None = None,
 ):
     """(backend, kernel, cache key) for a call: the kernel compiled for these
     inputs' shapes and dtypes, built on first use. The kernel takes and
-    returns JAX arrays (Triton kernels: torch tensors)."""
+    returns JAX arrays (Triton kernels: torch tensors). `entry` is a user's
+    JAX function standing in for kernels/<family>/<op>.py."""
     params = params or {}
     backend = backends.select(device, f"pallas::{op}")
     detect_races = backend.simulated and _detect_races.get()
     avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in inputs)
     key = (op, backend.name, device, avals, tuple(params.items()), detect_races)
     kernel = compile_cache.kernels.get(
-        key, lambda: _build(op, backend, device, avals, params, detect_races)
+        key, lambda: _build(op, backend, device, avals, params, detect_races, entry)
     )
     return backend, kernel, key
 
@@ -151,6 +165,7 @@ def launch(
     device: torch.device,
     inputs: tuple[torch.Tensor, ...] = (),
     params: Mapping[str, Any] | None = None,
+    entry: Callable | None = None,
 ):
     """Runs kernel `op` (kernels/<family>/<op>.py) on `inputs`; returns what
     the kernel returns, as torch tensors.
@@ -159,9 +174,9 @@ def launch(
     compiled kernel's identity.
     """
     if _tracing_triton.get():
-        entry = _triton_entry(op, device, params or {}, bool(inputs), wrap=torch.library.wrap_triton)
-        return entry(*inputs)
-    backend, kernel, key = compiled_kernel(op, device, inputs, params)
+        launcher = _triton_entry(op, device, params or {}, bool(inputs), wrap=torch.library.wrap_triton)
+        return launcher(*inputs)
+    backend, kernel, key = compiled_kernel(op, device, inputs, params, entry)
     if backend.family == "triton":
         return kernel(*inputs)
     arrays = [bridge.to_jax(t) for t in inputs]

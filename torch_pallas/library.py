@@ -1,0 +1,319 @@
+"""Registering ops: the one mechanism behind every `torch.ops.pallas.*` op
+and behind the public `torch_pallas.custom_op`, which turns any JAX function
+built on Pallas kernels into a torch op.
+
+`define` is the plumbing: `torch.library.custom_op` + fake function +
+autograd + the torch.compile path on CUDA (the op's Triton implementation
+traced into the graph). The shipped ops call it with their own
+implementations; `custom_op` builds the implementation, the fake function
+(from `jax.eval_shape`) and the autograd wiring from a JAX function.
+
+    @torch_pallas.custom_op("mylib::scale")
+    def scale(x: torch.Tensor, factor: float, interpret=None) -> torch.Tensor:
+        def kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * factor
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              interpret=interpret)(x)
+
+    torch.ops.mylib.scale(torch.randn(8, 128), 2.0)
+
+The function receives JAX arrays for its `torch.Tensor` parameters (shared
+with torch through DLPack, no copy) and Python values for its int, float and
+bool parameters, which are part of the compiled kernel's identity. A
+parameter named `interpret` is not part of the op: it receives what the
+backend needs (True for `interpret`, TPU or GPU interpret-mode parameters
+for the simulators, None on a GPU), to pass on to `pl.pallas_call`,
+`pl.kernel` or `plgpu.kernel`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, get_args, get_origin
+
+import torch
+
+from torch_pallas import dtypes, jax_env
+from torch_pallas.compile_path import decompose_to_triton_on_cuda
+from torch_pallas.launch import launch
+
+STATIC_TYPES = (int, float, bool)
+
+
+def define(
+    name: str,
+    implementation: Callable,
+    *,
+    fake: Callable,
+    schema: str | None = None,
+    backward: Callable | None = None,
+    setup_context: Callable | None = None,
+    compile_path: Callable | None = None,
+):
+    """Registers op `name` (`torch.library.custom_op`) with its fake function,
+    its autograd formula (`backward`, `setup_context` as for
+    `register_autograd`) and `compile_path`: what AOTAutograd traces on CUDA
+    tensors, where kernels launch through `torch.library.wrap_triton`
+    (None: the op stays one opaque call there too)."""
+    op = torch.library.custom_op(name, implementation, mutates_args=(), schema=schema)
+    op.register_fake(fake)
+    if backward is not None:
+        op.register_autograd(backward, setup_context=setup_context)
+    if compile_path is not None:
+        decompose_to_triton_on_cuda(op, compile_path)
+    return op
+
+
+class _Signature:
+    """What an op's JAX function takes: tensors, static scalars, interpret."""
+
+    def __init__(self, name: str, fn: Callable):
+        self.name = name
+        # Annotations resolved (they are strings under `from __future__ import annotations`).
+        hints = typing.get_type_hints(fn)
+        signature = inspect.signature(fn)
+        self.signature = signature.replace(
+            parameters=[p.replace(annotation=hints.get(p.name, p.annotation))
+                        for p in signature.parameters.values()],
+            return_annotation=hints.get("return", signature.return_annotation),
+        )
+        self.tensors: list[str] = []
+        self.statics: list[str] = []
+        self.takes_interpret = False
+        for p in self.signature.parameters.values():
+            if p.name == "interpret":
+                self.takes_interpret = True
+            elif p.annotation is torch.Tensor:
+                self.tensors.append(p.name)
+            elif p.annotation in STATIC_TYPES:
+                self.statics.append(p.name)
+            else:
+                raise TypeError(
+                    f"custom_op {name}: parameter {p.name!r} must be annotated "
+                    f"torch.Tensor, int, float or bool, got {p.annotation!r}"
+                )
+        if not self.tensors:
+            raise TypeError(f"custom_op {name}: the function takes no torch.Tensor parameter")
+        returns = self.signature.return_annotation
+        if returns is torch.Tensor:
+            self.outputs = None  # a single tensor
+        elif get_origin(returns) in (tuple, Sequence) and all(
+            a is torch.Tensor for a in get_args(returns)
+        ):
+            self.outputs = len(get_args(returns))
+        else:
+            raise TypeError(
+                f"custom_op {name}: annotate the return as torch.Tensor or "
+                f"tuple[torch.Tensor, ...], got {returns!r}"
+            )
+
+    def op_signature(self) -> inspect.Signature:
+        """The torch op's signature: the function's, without `interpret`."""
+        return self.signature.replace(
+            parameters=[p for p in self.signature.parameters.values() if p.name != "interpret"]
+        )
+
+    def split(self, args, kwargs) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        bound = self.op_signature().bind(*args, **kwargs)
+        bound.apply_defaults()
+        tensors = [bound.arguments[n] for n in self.tensors]
+        statics = {n: bound.arguments[n] for n in self.statics}
+        return tensors, statics
+
+
+def _check_tensors(name: str, sig: _Signature, tensors) -> torch.device:
+    device = tensors[0].device
+    for arg, t in zip(sig.tensors, tensors):
+        if t.dtype not in dtypes.JAX_NAMES:
+            raise TypeError(
+                f"{name}: {arg} has dtype {t.dtype}, which the JAX function cannot "
+                f"receive exactly; supported: {dtypes.names(dtypes.JAX_NAMES)}"
+            )
+        if t.device != device:
+            raise ValueError(
+                f"{name}: all tensors must be on one device, got {sig.tensors[0]} on "
+                f"{device} and {arg} on {t.device}"
+            )
+    return device
+
+
+@functools.lru_cache(maxsize=256)
+def _output_types(name: str, fn: Callable, outputs, avals: tuple, statics: tuple):
+    """[(shape, torch dtype)] of the function's outputs, by jax.eval_shape."""
+    jax = jax_env.jax()
+    jax_env.simulate_tpu_on_cpu()
+    kwargs = dict(statics)
+    if "interpret" in inspect.signature(fn).parameters:
+        kwargs["interpret"] = True
+    structs = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype)) for shape, dtype in avals]
+    result = jax.eval_shape(functools.partial(fn, **kwargs), *structs)
+    leaves = [result] if outputs is None else result
+    if outputs is not None and (not isinstance(result, (tuple, list)) or len(result) != outputs):
+        raise TypeError(f"{name}: the JAX function must return {outputs} arrays, got {result!r}")
+    types = []
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"{name}: output {i} of the JAX function is {leaf!r}, not an array"
+            )
+        torch_dtype = _TORCH_DTYPES.get(str(leaf.dtype))
+        if torch_dtype is None:
+            raise TypeError(
+                f"{name}: output {i} of the JAX function has dtype {leaf.dtype}, which "
+                f"cannot cross to torch exactly; supported: {dtypes.names(dtypes.JAX_NAMES)}"
+            )
+        types.append((tuple(leaf.shape), torch_dtype))
+    return types
+
+
+_TORCH_DTYPES = {name: dtype for dtype, name in dtypes.JAX_NAMES.items()}
+
+
+def _symbolic_output_shapes(name, fn, sig, tensors, statics, outputs):
+    """Output shapes for (possibly symbolic) fake inputs: each output
+    dimension is the input dimension (symbol) it follows, found by
+    evaluating the shapes at the size hints and again with every symbol
+    scaled by its own factor; a dimension that follows no symbol is a
+    constant. If the scaled sizes do not trace, sizes are specialised."""
+    def concrete(d):
+        if isinstance(d, torch.SymInt):
+            hint = d.node.hint
+            return int(hint) if hint is not None else int(d)
+        return int(d)
+
+    statics_key = tuple(statics.items())
+    dtypes_ = [dtypes.jax_name(t.dtype) for t in tensors]
+    hints = [tuple(concrete(d) for d in t.shape) for t in tensors]
+    base = _output_types(name, fn, outputs, tuple(zip(hints, dtypes_)), statics_key)
+    symbols: dict[str, tuple[torch.SymInt, int, int]] = {}  # expr -> (sym, hint, factor)
+    for t in tensors:
+        for d in t.shape:
+            if isinstance(d, torch.SymInt) and str(d.node.expr) not in symbols:
+                symbols[str(d.node.expr)] = (d, concrete(d), len(symbols) + 2)
+    if not symbols:
+        return base
+    scaled = [
+        tuple(d2 * symbols[str(d.node.expr)][2] if isinstance(d, torch.SymInt) else d2
+              for d, d2 in zip(t.shape, h))
+        for t, h in zip(tensors, hints)
+    ]
+    try:
+        moved = _output_types(name, fn, outputs, tuple(zip(scaled, dtypes_)), statics_key)
+    except Exception:  # sizes the kernel cannot take: specialise
+        for t in tensors:
+            for d in t.shape:
+                int(d)
+        return base
+    result = []
+    for (shape, dtype), (shape2, _) in zip(base, moved):
+        dims = []
+        for d, d2 in zip(shape, shape2):
+            match = [s for s, hint, f in symbols.values() if d == hint and d2 == hint * f]
+            dims.append(match[0] if match else d)
+        result.append((tuple(dims), dtype))
+    return result
+
+
+def custom_op(
+    name: str,
+    fn: Callable | None = None,
+    /,
+    *,
+    backward: Callable | None = None,
+    triton: Callable | None = None,
+):
+    """Registers the JAX function `fn` (built on Pallas kernels) as the torch
+    op `name` ("namespace::op") and returns it (a torch.library CustomOpDef,
+    callable like the function).
+
+    - Parameters annotated `torch.Tensor` take tensors (JAX arrays inside
+      `fn`), `int`/`float`/`bool` ones take static values; the return is
+      annotated `torch.Tensor` or `tuple[torch.Tensor, ...]`.
+    - The fake function comes from `jax.eval_shape`, so torch.compile
+      (fullgraph, dynamic shapes) and opcheck need nothing more.
+    - `backward(*grad_outputs, *op_arguments)` returns one gradient (or None)
+      per tensor parameter; it is typically another op registered here.
+    - `triton(*op_arguments, wrap=...)`: a Triton implementation on torch
+      tensors, used by the `triton` backend and traced by torch.compile on
+      CUDA (launch kernels as `wrap(kernel)[grid](...)`).
+    """
+    if fn is None:
+        return functools.partial(custom_op, name, backward=backward, triton=triton)
+    sig = _Signature(name, fn)
+    single = sig.outputs is None
+
+    def implementation(*args, **kwargs):
+        tensors, statics = sig.split(args, kwargs)
+        device = _check_tensors(name, sig, tensors)
+        if triton is not None and _uses_triton(device):
+            return triton(*args, **kwargs)
+        avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in tensors)
+        _output_types(name, fn, sig.outputs, avals, tuple(statics.items()))  # checked, cached
+        outs = launch(name, device, tuple(tensors), statics, entry=fn)
+        return outs if single or isinstance(outs, tuple) else (outs,)
+
+    def fake(*args, **kwargs):
+        tensors, statics = sig.split(args, kwargs)
+        device = _check_tensors(name, sig, tensors)
+        types = _symbolic_output_shapes(name, fn, sig, tensors, statics, sig.outputs)
+        outs = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in types)
+        return outs[0] if single else outs
+
+    implementation.__signature__ = sig.op_signature()
+    implementation.__name__ = fn.__name__
+    schema = torch.library.infer_schema(implementation, mutates_args=())
+
+    autograd = {}
+    if backward is not None:
+        autograd = dict(backward=_backward_for(sig, backward), setup_context=_save_inputs(sig))
+    compile_path = None
+    if triton is not None:
+        def compile_path(*args, **kwargs):
+            return triton(*args, wrap=torch.library.wrap_triton, **kwargs)
+
+    op = define(name, implementation, fake=fake, schema=schema, compile_path=compile_path, **autograd)
+    functools.update_wrapper(op, fn, updated=())
+    return op
+
+
+def _uses_triton(device: torch.device) -> bool:
+    from torch_pallas import backends
+
+    return backends.select(device, "custom op").family == "triton"
+
+
+def _save_inputs(sig: _Signature):
+    def setup_context(ctx, inputs, output):
+        # Every argument, defaults included (a call may omit them), in order.
+        bound = sig.op_signature().bind(*inputs)
+        bound.apply_defaults()
+        ctx.arguments = list(bound.arguments.values())
+        ctx.save_for_backward(*[a for a in ctx.arguments if isinstance(a, torch.Tensor)])
+
+    return setup_context
+
+
+def _backward_for(sig: _Signature, backward: Callable):
+    def op_backward(ctx, *grads):
+        saved = iter(ctx.saved_tensors)
+        arguments = [next(saved) if isinstance(a, torch.Tensor) else a for a in ctx.arguments]
+        result = backward(*grads, *arguments)
+        result = result if isinstance(result, (tuple, list)) else (result,)
+        if len(result) != len(sig.tensors):
+            raise TypeError(
+                f"the backward of this op must return {len(sig.tensors)} gradients "
+                f"(one per tensor parameter), got {len(result)}"
+            )
+        grads_by_name = dict(zip(sig.tensors, result))
+        # One gradient per argument the dispatcher passed (it drops trailing
+        # arguments equal to their defaults).
+        names = list(sig.op_signature().parameters)[: len(ctx.needs_input_grad)]
+        return tuple(
+            grads_by_name.get(n) if ctx.needs_input_grad[i] else None
+            for i, n in enumerate(names)
+        )
+
+    return op_backward

@@ -7,10 +7,16 @@ mosaic_gpu backend), meant to finish in a few minutes and need no network:
 2. the tests marked `gpu` (pytest -m gpu);
 3. matmul timings (bfloat16, float16) at 4096^3, 8192^3 and two LLM shapes
    against torch.matmul, with triton.testing.do_bench (median, warm-up,
-   fresh inputs per shape), printed last as a table of TFLOP/s and the ratio
+   fresh inputs per shape): the op on each backend (on Hopper: the tuned
+   warp-specialized kernel), the quickstart-style pipelined kernel, and the
+   compiled (Triton) path, printed last as a table of TFLOP/s and the ratio
    to torch.
 
-    python bench/gpu_check.py [--quick]
+    python bench/gpu_check.py [--quick] [--tune]
+
+--tune first times every matmul configuration that fits the GPU for the
+timed shapes and caches the fastest (kernels/mosaic_gpu/matmul_tuning.py);
+that takes longer than the check itself.
 
 Exits 1 on any wrong result, 2 when there is no GPU.
 """
@@ -134,10 +140,14 @@ def run_gpu_tests(failures: list[str]) -> None:
         failures.append("pytest -m gpu failed")
 
 
-def time_matmuls(quick: bool) -> list[tuple]:
+def time_matmuls(quick: bool, tune: bool) -> list[tuple]:
+    import functools
+
+    import jax
     import triton.testing
 
     import torch_pallas
+    from torch_pallas import bridge
 
     shapes = [(4096, 4096, 4096), (2048, 4096, 14336), (128, 4096, 4096)]
     if not quick:
@@ -150,6 +160,20 @@ def time_matmuls(quick: bool) -> list[tuple]:
             flops = 2.0 * m * n * k
             torch_ms = triton.testing.do_bench(lambda: torch.matmul(a, b), return_mode="median")
             results = [("torch", torch_ms)]
+            if "mosaic_gpu" in gpu_backends():
+                from torch_pallas.kernels.mosaic_gpu import matmul as mosaic_matmul
+                from torch_pallas.kernels.mosaic_gpu import matmul_tuning
+
+                if tune:
+                    matmul_tuning.tune(jax.numpy.dtype(str(dtype).removeprefix("torch.")), m, n, k)
+                    torch_pallas.clear_cache()
+                seed = jax.jit(functools.partial(
+                    mosaic_matmul.matmul, transpose_a=False, transpose_b=False,
+                    config=mosaic_matmul.MatmulConfig.default("mosaic_gpu"), interpret=None))
+                ja, jb = bridge.to_jax(a.reshape(1, m, k)), bridge.to_jax(b.reshape(1, k, n))
+                seed(ja, jb).block_until_ready()
+                results.append(("quickstart kernel", triton.testing.do_bench(
+                    lambda: seed(ja, jb).block_until_ready(), return_mode="median")))
             for backend in gpu_backends():
                 with torch_pallas.backend(backend):
                     torch.ops.pallas.matmul(a, b)  # compile outside the timing
@@ -169,6 +193,8 @@ def time_matmuls(quick: bool) -> list[tuple]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="skip the 8192^3 timing")
+    parser.add_argument("--tune", action="store_true",
+                        help="tune the Hopper matmul for the timed shapes first (slow)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/gpu_check.py needs an NVIDIA GPU: torch.cuda.is_available() is False "
@@ -182,7 +208,7 @@ def main(argv=None) -> int:
         check_ops(backend, failures)
     check_compile(failures)
     run_gpu_tests(failures)
-    rows = time_matmuls(args.quick)
+    rows = time_matmuls(args.quick, args.tune)
 
     print(f"\nmatmul, median of triton.testing.do_bench ({time.time() - start:.0f} s in all)")
     print(f"{'shape':<16} {'dtype':<9} {'provider':<20} {'TFLOP/s':>8} {'x torch':>8}")

@@ -126,11 +126,12 @@ def _build(op, backend, device, avals, params, detect_races, entry):
         return _triton_entry(op, device, params, has_inputs=bool(avals))
     else:
         module = kernel_module(backend.family, op)
+        if hasattr(module, "select_config"):  # a config per shape
+            config = module.select_config(backend.name, avals, params)
+        else:
+            config = module.default_config(backend.name)
         entry = functools.partial(
-            getattr(module, op),
-            **params,
-            config=module.default_config(backend.name),
-            **_execution_kwargs(backend, detect_races),
+            getattr(module, op), **params, config=config, **_execution_kwargs(backend, detect_races),
         )
     jax = jax_env.jax()
     sharding = jax.sharding.SingleDeviceSharding(jax_device(device))

@@ -19,6 +19,19 @@ The accumulator lives in its own `pl.run_scoped` (Mosaic GPU interpret mode
 cannot place it in one allocation with the SMEM scratch). Ragged M, N, K are
 zero-padded to whole tiles once, outside the kernel. A batch of 1 is
 broadcast against the other operand's by its tile index.
+
+`warp_specialized_kernel` is the fast Hopper kernel, after the techniques
+the Mosaic GPU pipelining guide names next:
+- warp specialization (`plgpu.emit_pipeline_warp_specialized`): a memory
+  warpgroup with few registers issues the TMA copies, two compute warpgroups
+  each own half of the output tile's columns and share the A tile;
+- a deep pipeline (`max_concurrent_steps` 4-6) instead of `delay_release`;
+- a tiled TMA epilogue: the accumulator leaves through small SMEM tiles
+  (two slots per warpgroup), so the main loop keeps the SMEM;
+- a persistent grid: one program per SM loops (`plgpu.nd_loop`) over the
+  output tiles of every batch in an L2-friendly order (`plgpu.planar_snake`).
+Its configurations are chosen per (device, dtype, shape bucket) by
+kernels/mosaic_gpu/matmul_tuning.py.
 """
 
 from __future__ import annotations
@@ -55,10 +68,71 @@ def default_config(backend: str) -> MatmulConfig:
     return MatmulConfig.default(backend)
 
 
-def smem_transforms(dtype):
-    """The SMEM tiling and swizzle wgmma reads its operands in."""
-    swizzle_elems = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
-    return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(SWIZZLE_BYTES))
+def select_config(backend: str, avals, params) -> MatmulConfig | WarpSpecializedConfig:
+    """On a GPU, the warp-specialized kernel's tuned (or shipped) config for
+    this shape; the simulator runs the quickstart's kernel with its hardware
+    tiles (tests/test_matmul_tuning.py simulates every tuned config)."""
+    if backend != "mosaic_gpu":
+        return default_config(backend)
+    from torch_pallas.kernels.mosaic_gpu import matmul_tuning
+
+    (a_shape, dtype), (b_shape, _) = avals
+    m, k = a_shape[1:][::-1] if params["transpose_a"] else a_shape[1:]
+    n = b_shape[1] if params["transpose_b"] else b_shape[2]
+    return matmul_tuning.config_for(dtype, m, n, k)
+
+
+def smem_transforms(dtype, row_bytes: int = SWIZZLE_BYTES):
+    """The SMEM tiling and swizzle for tiles whose rows hold `row_bytes`
+    (wgmma operands: 128 bytes; epilogue tiles: their width)."""
+    swizzle = plgpu.find_swizzle(row_bytes * 8)
+    swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+
+
+# Shared memory a block may use on Hopper (227 KiB).
+HOPPER_SMEM_BYTES = 227 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class WarpSpecializedConfig:
+    """Knobs of `warp_specialized_kernel`. The program's output tile is
+    tile_m x (2 * tile_n): each compute warpgroup accumulates tile_m x tile_n."""
+
+    tile_m: int
+    tile_n: int
+    max_concurrent_steps: int
+    grid_tile_width: int = 4  # output tiles per planar-snake stripe
+    grid_minor_n: bool = True  # stripes advance along N (else along M)
+    epi_tile_m: int = 64
+    epi_tile_n: int = 64
+    tile_k_bytes: int = SWIZZLE_BYTES
+    num_programs: int | None = None  # None: one per SM of the device
+
+    def tile_k(self, dtype) -> int:
+        return self.tile_k_bytes // jnp.dtype(dtype).itemsize
+
+    def smem_bytes(self, dtype) -> int:
+        """Shared memory the kernel allocates: the pipeline's A and B tiles
+        for every concurrent step, and the epilogue's slots."""
+        size = jnp.dtype(dtype).itemsize
+        per_step = (self.tile_m + 2 * self.tile_n) * self.tile_k(dtype) * size
+        epilogue = 2 * self.epilogue_slots() * self.epi_tile_m * self.epi_tile_n * size
+        return self.max_concurrent_steps * per_step + epilogue
+
+    def epilogue_slots(self) -> int:
+        return min(2, (self.tile_m * self.tile_n) // (self.epi_tile_m * self.epi_tile_n))
+
+    def check(self, dtype) -> None:
+        if self.tile_m % self.epi_tile_m or self.tile_n % self.epi_tile_n:
+            raise ValueError(f"{self}: epilogue tiles must divide the warpgroup tile")
+        if self.tile_m % 64:
+            raise ValueError(f"{self.tile_m=} must be a multiple of 64 for wgmma")
+        if self.smem_bytes(dtype) > HOPPER_SMEM_BYTES:
+            raise ValueError(
+                f"{self} needs {self.smem_bytes(dtype)} bytes of shared memory, "
+                f"more than the {HOPPER_SMEM_BYTES} a Hopper block has"
+            )
 
 
 def matmul_kernel(a_gmem, b_gmem, o_gmem, o_smem, *, k_tiles, a_batched, b_batched,
@@ -100,7 +174,128 @@ def matmul_kernel(a_gmem, b_gmem, o_gmem, o_smem, *, k_tiles, a_batched, b_batch
     plgpu.wait_smem_to_gmem(0)
 
 
-def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig, interpret):
+def warp_specialized_kernel(a_gmem, b_gmem, o_gmem, *, config, dtype, batch, m_tiles,
+                            n_tiles, k_tiles, a_batched, b_batched):
+    """a_gmem (Ba*Mp, Kp), b_gmem (Bb*Kp, Np), o_gmem (B*Mp, Np): batches
+    stacked along the rows, each padded to whole tiles."""
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k(dtype)
+    cta_n = 2 * tile_n  # two compute warpgroups side by side along N
+    epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
+    slots = config.epilogue_slots()
+    operand_transforms = smem_transforms(dtype)
+    size = jnp.dtype(dtype).itemsize
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_tiles,),
+            memory_registers=40,  # the memory warpgroup only issues copies
+            in_specs=[
+                plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k),
+                                transforms=operand_transforms, memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((tile_k, cta_n), lambda k: (k, 0),
+                                transforms=operand_transforms, memory_space=plgpu.SMEM),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    def ignore(*args, **kwargs):  # the bodies do not change the allocations
+        return None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), dtype,
+                            transforms=smem_transforms(dtype, epi_n * size)),
+        collective_axes="wg",
+    )
+    def scope(allocations, out_smem):
+        wg = jax.lax.axis_index("wg")
+        wg_cols = pl.ds(wg * tile_n, tile_n)
+
+        @plgpu.nd_loop((batch * m_tiles * n_tiles,), collective_axes="programs")
+        def tile_loop(loop):
+            (linear,) = loop.index
+            b_idx = linear // (m_tiles * n_tiles)
+            m_idx, n_idx = plgpu.planar_snake(
+                linear % (m_tiles * n_tiles), (m_tiles, n_tiles),
+                1 if config.grid_minor_n else 0, config.grid_tile_width,
+            )
+            a_rows = pl.ds(((b_idx if a_batched else 0) * m_tiles + m_idx) * tile_m, tile_m)
+            b_rows = pl.ds((b_idx if b_batched else 0) * k_tiles * tile_k, k_tiles * tile_k)
+            out_rows = pl.ds((b_idx * m_tiles + m_idx) * tile_m, tile_m)
+            cols = pl.ds(n_idx * cta_n, cta_n)
+
+            def compute_context(run_pipeline):
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((tile_m, tile_n), jnp.float32))
+                def _(acc):
+                    run_pipeline(acc)
+                    result = acc[...].astype(dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # slots free
+                    for i in range(tile_m // epi_m):
+                        for j in range(tile_n // epi_n):
+                            slot = (i * (tile_n // epi_n) + j) % slots
+                            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+                            out_smem[wg, slot] = result[i * epi_m:(i + 1) * epi_m,
+                                                        j * epi_n:(j + 1) * epi_n]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg, slot],
+                                o_gmem.at[out_rows, cols].at[:, wg_cols]
+                                .at[pl.ds(i * epi_m, epi_m), pl.ds(j * epi_n, epi_n)],
+                            )
+
+            def step(indices, a_smem, b_smem, acc):
+                plgpu.wgmma(acc, a_smem, b_smem.at[:, wg_cols])
+                plgpu.wgmma_wait(0)
+                return acc
+
+            pipeline(step, compute_context)(
+                a_gmem.at[a_rows, :], b_gmem.at[b_rows, cols], allocations=allocations
+            )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def num_sms() -> int:
+    return jax.devices()[0].core_count
+
+
+def matmul_warp_specialized(a, b, *, config: WarpSpecializedConfig, interpret):
+    """Batched a @ b (3-D, untransposed) with `warp_specialized_kernel`."""
+    config.check(a.dtype)
+    batch = max(a.shape[0], b.shape[0])
+    _, m, k = a.shape
+    n = b.shape[2]
+    tile_k = config.tile_k(a.dtype)
+    mp, np_, kp = round_up(m, config.tile_m), round_up(n, 2 * config.tile_n), round_up(k, tile_k)
+    a_rows = pad_to(a, (a.shape[0], mp, kp)).reshape(-1, kp)
+    b_rows = pad_to(b, (b.shape[0], kp, np_)).reshape(-1, np_)
+    programs = config.num_programs or num_sms()
+    out = plgpu.kernel(
+        functools.partial(
+            warp_specialized_kernel, config=config, dtype=a.dtype, batch=batch,
+            m_tiles=mp // config.tile_m, n_tiles=np_ // (2 * config.tile_n),
+            k_tiles=kp // tile_k, a_batched=a.shape[0] > 1, b_batched=b.shape[0] > 1,
+        ),
+        out_type=jax.ShapeDtypeStruct((batch * mp, np_), a.dtype),
+        grid=(programs,),
+        grid_names=("programs",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
+        interpret=interpret,
+    )(a_rows, b_rows)
+    return out.reshape(batch, mp, np_)[:, :m, :n]
+
+
+def matmul(a, b, *, transpose_a: bool, transpose_b: bool,
+           config: MatmulConfig | WarpSpecializedConfig, interpret):
     """Batched a @ b, accumulated in float32, in a's dtype.
 
     a: (Ba, M, K), or (Ba, K, M) with transpose_a; b: (Bb, K, N), or
@@ -111,6 +306,8 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig, 
         a = jnp.swapaxes(a, 1, 2)
     if transpose_b:
         b = jnp.swapaxes(b, 1, 2)
+    if isinstance(config, WarpSpecializedConfig):
+        return matmul_warp_specialized(a, b, config=config, interpret=interpret)
     batch = max(a.shape[0], b.shape[0])
     _, m, k = a.shape
     n = b.shape[2]

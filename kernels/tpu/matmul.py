@@ -47,30 +47,37 @@ def default_config(backend: str) -> MatmulConfig:
     return MatmulConfig.default(backend)
 
 
-def matmul_kernel(a_hbm, b_hbm, o_hbm, acc_vmem, *, blocks, transpose_a, transpose_b,
+def matmul_kernel(a_hbm, b_hbm, o_hbm, acc_vmem=None, *, blocks, transpose_a, transpose_b,
                   num_cores):
     """blocks: (bb, bm, bn, bk); a_hbm (Ba, M, K) or (Ba, K, M), b_hbm
-    (Bb, K, N) or (Bb, N, K), o_hbm (B, M, N), with Ba, Bb in {1, B}."""
+    (Bb, K, N) or (Bb, N, K), o_hbm (B, M, N), with Ba, Bb in {1, B}. The
+    accumulator exists only when K takes several steps."""
     bb, bm, bn, bk = blocks
     batch, m, n = o_hbm.shape
     k = a_hbm.shape[1] if transpose_a else a_hbm.shape[2]
     k_steps = k // bk
     a_batched, b_batched = a_hbm.shape[0] > 1, b_hbm.shape[0] > 1
 
+    def block_product(a_vmem, b_vmem):
+        a, b = a_vmem[...], b_vmem[...]
+        a = jnp.broadcast_to(a, (bb, *a.shape[1:]))
+        b = jnp.broadcast_to(b, (bb, *b.shape[1:]))
+        contract = ((1 if transpose_a else 2,), (2 if transpose_b else 1,))
+        return jax.lax.dot_general(
+            a, b, (contract, ((0,), (0,))), preferred_element_type=jnp.float32
+        )
+
     def body(a_vmem, b_vmem, o_vmem):
+        if k_steps == 1:  # the whole K in one block: no accumulator round trip
+            o_vmem[...] = block_product(a_vmem, b_vmem).astype(o_vmem.dtype)
+            return
         k_step = pl.program_id(3)
 
         @pl.when(k_step == 0)
         def _():
             acc_vmem[...] = jnp.zeros_like(acc_vmem)
 
-        a, b = a_vmem[...], b_vmem[...]
-        a = jnp.broadcast_to(a, (acc_vmem.shape[0], *a.shape[1:]))
-        b = jnp.broadcast_to(b, (acc_vmem.shape[0], *b.shape[1:]))
-        contract = ((1 if transpose_a else 2,), (2 if transpose_b else 1,))
-        acc_vmem[...] += jax.lax.dot_general(
-            a, b, (contract, ((0,), (0,))), preferred_element_type=jnp.float32
-        )
+        acc_vmem[...] += block_product(a_vmem, b_vmem)
 
         @pl.when(k_step == k_steps - 1)
         def _():
@@ -120,6 +127,9 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
         shape = (bp if x.shape[0] > 1 else 1, *((cols, rows) if transposed else (rows, cols)))
         return pad_to(x, shape)
 
+    scratch = {}
+    if kp // bk > 1:
+        scratch["acc_vmem"] = pltpu.VMEM((bb, bm, bn), jnp.float32)
     out = pl.kernel(
         functools.partial(
             matmul_kernel, blocks=(bb, bm, bn, bk), transpose_a=transpose_a,
@@ -127,7 +137,7 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
         ),
         out_type=jax.ShapeDtypeStruct((bp, mp, np_), a.dtype),
         mesh=pltpu.create_tensorcore_mesh("core", num_cores=num_cores),
-        scratch_types=dict(acc_vmem=pltpu.VMEM((bb, bm, bn), jnp.float32)),
+        scratch_types=scratch,
         interpret=interpret,
     )(padded(a, mp, kp, transpose_a), padded(b, kp, np_, transpose_b))
     return out[:batch, :m, :n]

@@ -55,6 +55,11 @@ def race_detection(enabled: bool = True) -> Iterator[None]:
         _detect_races.reset(token)
 
 
+def qualified_name(op: str) -> str:
+    """The op's torch name: shipped ops live in the `pallas` namespace."""
+    return op if "::" in op else f"pallas::{op}"
+
+
 def kernel_module(family: str, op: str):
     return importlib.import_module(f"torch_pallas.kernels.{family}.{op}")
 
@@ -151,7 +156,7 @@ def compiled_kernel(
     returns JAX arrays (Triton kernels: torch tensors). `entry` is a user's
     JAX function standing in for kernels/<family>/<op>.py."""
     params = params or {}
-    backend = backends.select(device, f"pallas::{op}")
+    backend = backends.select(device, qualified_name(op))
     detect_races = backend.simulated and _detect_races.get()
     avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in inputs)
     key = (op, backend.name, device, avals, tuple(params.items()), detect_races)
@@ -190,10 +195,11 @@ def launch(
         except Exception:
             jax_env.reset_simulator(backend.family)
             raise
-        if key[-1] and jax_env.races_found(backend.family):
+        _, _, _, avals, _, detect_races = key
+        if detect_races and jax_env.races_found(backend.family):
             raise RaceDetectedError(
-                f"pallas::{op}: backend {backend.name!r} detected a data race "
-                f"in the kernel (inputs {key[3]}, parameters {params})"
+                f"{qualified_name(op)}: backend {backend.name!r} detected a data race "
+                f"in the kernel (inputs {avals}, parameters {params})"
             )
     return _to_torch(out)
 

@@ -103,11 +103,24 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.cache
+def _jax_has_gpu() -> bool:
+    from torch_pallas import jax_env
+
+    try:
+        return bool(jax_env.jax().devices("gpu"))
+    except RuntimeError:
+        return False
+
+
 def default_for(device: torch.device) -> Backend:
+    """The device's backend when none is requested: on CUDA, mosaic_gpu on
+    Hopper and newer when JAX has a GPU backend, else triton (an automatic
+    choice falls back; an explicit one never does)."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         major, _ = _cuda_capability(index)
-        return BACKENDS["mosaic_gpu" if major >= 9 else "triton"]
+        return BACKENDS["mosaic_gpu" if major >= 9 and _jax_has_gpu() else "triton"]
     return BACKENDS["interpret"]
 
 

@@ -5,7 +5,6 @@ determinism."""
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import resource
 
 import pytest

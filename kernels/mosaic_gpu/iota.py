@@ -48,7 +48,3 @@ def iota(n, dtype, *, config: IotaConfig, interpret):
         interpret=interpret,
     )()
     return out[:n]
-
-
-def iota_reference(n, dtype):
-    return jnp.arange(n, dtype=jnp.int32).astype(jnp.dtype(dtype))

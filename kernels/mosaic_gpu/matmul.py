@@ -328,11 +328,3 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool,
         interpret=interpret,
     )(a_rows, b_rows)
     return out.reshape(batch, mp, np_)[:, :m, :n]
-
-
-def matmul_reference(a, b, *, transpose_a: bool, transpose_b: bool):
-    if transpose_a:
-        a = jnp.swapaxes(a, 1, 2)
-    if transpose_b:
-        b = jnp.swapaxes(b, 1, 2)
-    return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)

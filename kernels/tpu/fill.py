@@ -68,7 +68,3 @@ def fill(shape, value, dtype, *, config: FillConfig, num_cores: int, interpret):
         interpret=interpret,
     )()
     return out[:n].reshape(shape)
-
-
-def fill_reference(shape, value, dtype):
-    return jnp.full(shape, value, jnp.dtype(dtype))

@@ -141,11 +141,3 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
         interpret=interpret,
     )(padded(a, mp, kp, transpose_a), padded(b, kp, np_, transpose_b))
     return out[:batch, :m, :n]
-
-
-def matmul_reference(a, b, *, transpose_a: bool, transpose_b: bool):
-    if transpose_a:
-        a = jnp.swapaxes(a, 1, 2)
-    if transpose_b:
-        b = jnp.swapaxes(b, 1, 2)
-    return jnp.matmul(a, b, preferred_element_type=jnp.float32).astype(a.dtype)

@@ -75,7 +75,3 @@ def add(x, y, out_shape, *, config: AddConfig, wrap=direct):
         BLOCK=config.block, IN_FLOAT32=x.dtype in (torch.float16, torch.bfloat16),
     )
     return out.to(x.dtype)
-
-
-def add_reference(x, y):
-    return x + y

@@ -39,7 +39,3 @@ def fill(shape, value, dtype, *, config: FillConfig, device, wrap=direct):
     n = out.numel()
     wrap(fill_kernel)[(triton.cdiv(n, config.block),)](out, value, n, BLOCK=config.block)
     return out.to(dtype)
-
-
-def fill_reference(shape, value, dtype, device):
-    return torch.full(shape, value, dtype=getattr(torch, dtype), device=device)

@@ -37,7 +37,3 @@ def iota(n, dtype, *, config: IotaConfig, device, wrap=direct):
     out = torch.empty((n,), dtype=interpreter_safe_dtype(dtype), device=device)
     wrap(iota_kernel)[(triton.cdiv(n, config.block),)](out, n, BLOCK=config.block)
     return out.to(dtype)
-
-
-def iota_reference(n, dtype, device):
-    return torch.arange(n, dtype=torch.float64, device=device).to(getattr(torch, dtype))

@@ -130,11 +130,3 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig, 
             BLOCK_K=config.block_k, GROUP_M=config.group_m, UPCAST=upcast,
         )
     return c.to(a.dtype)
-
-
-def matmul_reference(a, b, *, transpose_a: bool, transpose_b: bool):
-    if transpose_a:
-        a = a.mT
-    if transpose_b:
-        b = b.mT
-    return torch.matmul(a.float(), b.float()).to(a.dtype)

@@ -12,6 +12,12 @@ DLPack cannot take directly is made acceptable first, never reinterpreted:
   re-viewed with row-major strides (no copy), since JAX would otherwise
   import it with a non-default layout that compiled kernels refuse;
 - 64-bit dtypes are refused: JAX without x64 narrows them to 32 bits silently.
+
+Per call, the protocol's Python on both sides costs more than a small
+kernel, so the crossings call jaxlib's capsule import/export directly (CPU
+capsules from torch's C exporter; CUDA keeps the protocol, which orders the
+streams). Each direct path is checked once against the public API on a probe
+and replaced by it if they disagree, as they may on another JAX version.
 """
 
 from __future__ import annotations

@@ -150,29 +150,45 @@ def _output_types(name: str, fn: Callable, outputs, avals: tuple, statics: tuple
         kwargs["interpret"] = True
     structs = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype)) for shape, dtype in avals]
     result = jax.eval_shape(functools.partial(fn, **kwargs), *structs)
+    return [(tuple(leaf.shape), _TORCH_DTYPES[str(leaf.dtype)])
+            for leaf in _checked_outputs(name, outputs, result)]
+
+
+def _checked_outputs(name: str, outputs, result) -> list:
+    """The JAX function's output arrays (or abstract arrays), after checking
+    that there are as many as the op declares and each can cross to torch."""
     leaves = [result] if outputs is None else result
     if outputs is not None and (not isinstance(result, (tuple, list)) or len(result) != outputs):
         raise TypeError(f"{name}: the JAX function must return {outputs} arrays, got {result!r}")
-    types = []
     for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
             raise TypeError(
                 f"{name}: output {i} of the JAX function is {leaf!r}, not an array"
             )
-        torch_dtype = _TORCH_DTYPES.get(str(leaf.dtype))
-        if torch_dtype is None:
+        if str(leaf.dtype) not in _TORCH_DTYPES:
             raise TypeError(
                 f"{name}: output {i} of the JAX function has dtype {leaf.dtype}, which "
                 f"cannot cross to torch exactly; supported: {dtypes.names(dtypes.JAX_NAMES)}"
             )
-        types.append((tuple(leaf.shape), torch_dtype))
-    return types
+    return leaves
+
+
+def _checking_outputs(name: str, fn: Callable, outputs) -> Callable:
+    """`fn`, checking its outputs while it is traced (once per compiled
+    kernel, not per call)."""
+    @functools.wraps(fn)  # keeps the signature: `interpret` stays visible
+    def checked(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        _checked_outputs(name, outputs, result)
+        return result
+
+    return checked
 
 
 _TORCH_DTYPES = {name: dtype for dtype, name in dtypes.JAX_NAMES.items()}
 
 
-def _symbolic_output_shapes(name, fn, sig, tensors, statics, outputs):
+def _symbolic_output_shapes(name, fn, tensors, statics, outputs):
     """Output shapes for (possibly symbolic) fake inputs: each output
     dimension is the input dimension (symbol) it follows, found by
     evaluating the shapes at the size hints and again with every symbol
@@ -244,21 +260,20 @@ def custom_op(
         return functools.partial(custom_op, name, backward=backward, triton=triton)
     sig = _Signature(name, fn)
     single = sig.outputs is None
+    entry = _checking_outputs(name, fn, sig.outputs)
 
     def implementation(*args, **kwargs):
         tensors, statics = sig.split(args, kwargs)
         device = _check_tensors(name, sig, tensors)
         if triton is not None and _uses_triton(device):
             return triton(*args, **kwargs)
-        avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in tensors)
-        _output_types(name, fn, sig.outputs, avals, tuple(statics.items()))  # checked, cached
-        outs = launch(name, device, tuple(tensors), statics, entry=fn)
+        outs = launch(name, device, tuple(tensors), statics, entry=entry)
         return outs if single or isinstance(outs, tuple) else (outs,)
 
     def fake(*args, **kwargs):
         tensors, statics = sig.split(args, kwargs)
         device = _check_tensors(name, sig, tensors)
-        types = _symbolic_output_shapes(name, fn, sig, tensors, statics, sig.outputs)
+        types = _symbolic_output_shapes(name, fn, tensors, statics, sig.outputs)
         outs = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in types)
         return outs[0] if single else outs
 

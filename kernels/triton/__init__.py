@@ -10,7 +10,20 @@ TRITON_INTERPRET must be set before these modules are first imported:
 """
 
 
+import dataclasses
 import os
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """The one knob of the one-program-per-block kernels (fill, iota, add)."""
+
+    block: int = 1024  # elements per program
+
+
+def block_config(backend: str) -> BlockConfig:
+    """`default_config` of the block kernels: the same on every GPU."""
+    return BlockConfig()
 
 
 def interpreting() -> bool:

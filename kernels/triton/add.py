@@ -6,28 +6,20 @@ is contiguous)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
-
-from torch_pallas.kernels.triton import direct, interpreter_safe_dtype
+from torch_pallas.kernels.triton import (
+    BlockConfig,
+    block_config,
+    direct,
+    interpreter_safe_dtype,
+)
 
 MAX_DIMS = 4
 
 
-@dataclasses.dataclass(frozen=True)
-class AddConfig:
-    block: int  # output elements per program
-
-    @classmethod
-    def default(cls, backend: str) -> "AddConfig":
-        return cls(block=1024)
-
-
-def default_config(backend: str) -> AddConfig:
-    return AddConfig.default(backend)
+default_config = block_config
 
 
 @triton.jit
@@ -64,7 +56,7 @@ def _four_dims(t: torch.Tensor, shape: tuple) -> torch.Tensor:
     return t.reshape((1,) * (MAX_DIMS - t.dim()) + tuple(t.shape))
 
 
-def add(x, y, out_shape, *, config: AddConfig, wrap=direct):
+def add(x, y, out_shape, *, config: BlockConfig, wrap=direct):
     """x + y, broadcast to `out_shape`, as a new contiguous tensor."""
     out = torch.empty(out_shape, dtype=interpreter_safe_dtype(x.dtype), device=x.device)
     n = out.numel()

@@ -3,26 +3,17 @@ the value passed at run time (no recompilation per value)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
+from torch_pallas.kernels.triton import (
+    BlockConfig,
+    block_config,
+    direct,
+    interpreter_safe_dtype,
+)
 
-from torch_pallas.kernels.triton import direct, interpreter_safe_dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class FillConfig:
-    block: int
-
-    @classmethod
-    def default(cls, backend: str) -> "FillConfig":
-        return cls(block=1024)
-
-
-def default_config(backend: str) -> FillConfig:
-    return FillConfig.default(backend)
+default_config = block_config
 
 
 @triton.jit
@@ -32,7 +23,7 @@ def fill_kernel(o_ptr, value, n, BLOCK: tl.constexpr):
     tl.store(o_ptr + offs, values, mask=offs < n)
 
 
-def fill(shape, value, dtype, *, config: FillConfig, device, wrap=direct):
+def fill(shape, value, dtype, *, config: BlockConfig, device, wrap=direct):
     """A new tensor of `shape` and `dtype` (a name) on `device` holding `value`."""
     dtype = getattr(torch, dtype)
     out = torch.empty(shape, dtype=interpreter_safe_dtype(dtype), device=device)

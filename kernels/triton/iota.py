@@ -3,26 +3,17 @@ converting to the output dtype."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
+from torch_pallas.kernels.triton import (
+    BlockConfig,
+    block_config,
+    direct,
+    interpreter_safe_dtype,
+)
 
-from torch_pallas.kernels.triton import direct, interpreter_safe_dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class IotaConfig:
-    block: int
-
-    @classmethod
-    def default(cls, backend: str) -> "IotaConfig":
-        return cls(block=1024)
-
-
-def default_config(backend: str) -> IotaConfig:
-    return IotaConfig.default(backend)
+default_config = block_config
 
 
 @triton.jit
@@ -31,7 +22,7 @@ def iota_kernel(o_ptr, n, BLOCK: tl.constexpr):
     tl.store(o_ptr + offs, offs.to(o_ptr.dtype.element_ty), mask=offs < n)
 
 
-def iota(n, dtype, *, config: IotaConfig, device, wrap=direct):
+def iota(n, dtype, *, config: BlockConfig, device, wrap=direct):
     """[0, 1, ..., n-1] as a new 1-D tensor of `dtype` (a name) on `device`."""
     dtype = getattr(torch, dtype)
     out = torch.empty((n,), dtype=interpreter_safe_dtype(dtype), device=device)

@@ -14,7 +14,6 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
-
 from torch_pallas.kernels.triton import direct, interpreter_safe_dtype, interpreting
 
 # Autotuning space: Hopper-friendly large tiles with deep pipelines first,

@@ -163,3 +163,29 @@ def test_inputs_and_signatures_the_api_cannot_map_raise_clearly():
 
     with pytest.raises(TypeError, match="usertest::identity: x has dtype torch.float64"):
         torch.ops.usertest.identity(torch.randn(3, dtype=torch.float64))
+
+
+def test_autograd_paths_of_a_user_op():
+    """Without gradients the op runs below autograd (no graph); with them,
+    backward gets only the gradients asked for; an op without a backward
+    says so when differentiated."""
+    @torch_pallas.custom_op("usertest::times_two")
+    def times_two(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @torch_pallas.custom_op("usertest::weighted", backward=lambda g, x, w: (g * w, g * x))
+    def weighted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    x, w = torch.randn(5, 3, requires_grad=True), torch.randn(5, 3)
+    with torch.no_grad():
+        assert torch.ops.usertest.weighted(x, w).grad_fn is None
+    out = torch.ops.usertest.weighted(x, w)
+    out.backward(torch.ones_like(out))
+    torch.testing.assert_close(x.grad, w)
+    assert w.grad is None
+
+    y = torch.ops.usertest.times_two(x)
+    torch.testing.assert_close(y, x.detach() * 2)
+    with pytest.raises(RuntimeError, match="usertest::times_two has no backward"):
+        y.sum().backward()

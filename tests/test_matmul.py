@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import bridge, references
+from torch_pallas import bridge, compile_cache, references
+from torch_pallas.kernels.tpu import matmul as tpu_matmul
 from torch_pallas.ops.matmul import as_kernel_operand
 from helpers import FLOAT_DTYPES, assert_within, random_tensor
 
@@ -67,6 +68,28 @@ def test_matmul_matches_float64(cpu_backend, m, k, n, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmul_large_ragged(cpu_backend, dtype):
     check_matmul(random_tensor((1000, 999), dtype), random_tensor((999, 1001), dtype))
+
+
+@pytest.mark.parametrize("transposed", [False, True], ids=["a", "a.mT"])
+def test_matmul_many_rows_float32(transposed):
+    """Enough rows that the interpret backend compiles the dot with oneDNN
+    (kernels/tpu/matmul.py compiler_options): still exact to float32."""
+    rows = tpu_matmul.ONEDNN_MIN_ROWS + 13
+    a = random_tensor((37, rows), torch.float32).mT if transposed else random_tensor((rows, 37), torch.float32)
+    with torch_pallas.backend("interpret"):
+        check_matmul(a, random_tensor((37, 29), torch.float32))
+
+
+def test_unknown_compiler_options_fall_back(monkeypatch):
+    """An XLA that does not know a kernel's options compiles without them."""
+    monkeypatch.setattr(tpu_matmul, "compiler_options",
+                        lambda *args: {"xla_cpu_no_such_option_here": True})
+    compile_cache.clear()
+    try:
+        with torch_pallas.backend("interpret"):
+            check_matmul(random_tensor((11, 7), torch.float32), random_tensor((7, 5), torch.float32))
+    finally:
+        compile_cache.clear()
 
 
 def test_matmul_strided_operands():

@@ -44,9 +44,13 @@ def to_jax(tensor: torch.Tensor):
         tensor = tensor.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
-    strides = row_major_strides(tensor.shape)
-    if tensor.stride() != strides:
-        tensor = tensor.as_strided(tensor.shape, strides)
+    shape = tensor.shape
+    # Contiguous strides are row-major except along size-1 (and in empty)
+    # tensors, where torch leaves them free.
+    if 1 in shape or 0 in shape:
+        strides = row_major_strides(shape)
+        if tensor.stride() != strides:
+            tensor = tensor.as_strided(shape, strides)
     return _importer()(tensor)
 
 
@@ -54,21 +58,25 @@ def _from_dlpack_public(tensor: torch.Tensor):
     return jax_env.jax().dlpack.from_dlpack(tensor)
 
 
-def _from_dlpack_direct(tensor: torch.Tensor):
+def _direct_importer():
     """jax.dlpack.from_dlpack without its per-call Python: the target device
     and stream are looked up once per device, and the dtype canonicalisation
     (a jnp.asarray call, most of the cost) is skipped, since 64-bit dtypes
-    never get here."""
-    if tensor.device.type == "cpu":
-        # No streams to order on the CPU: torch's C exporter, not the
-        # protocol's Python method.
-        device, stream = _import_target(CPU_DL_DEVICE, 0)
-        capsule = torch.utils.dlpack.to_dlpack(tensor)
-        return _dlpack_to_buffer()(capsule, device, stream, CPU_DL_DEVICE)
-    dl_device_type, device_id = tensor.__dlpack_device__()
-    device, stream = _import_target(int(dl_device_type), device_id)
-    capsule = tensor.__dlpack__(stream=stream)  # orders torch's stream before JAX's
-    return _dlpack_to_buffer()(capsule, device, stream, int(dl_device_type))
+    never get here. CPU tensors leave through torch's C exporter (no streams
+    to order); CUDA ones through the protocol, which orders torch's stream
+    before JAX's."""
+    to_buffer = _dlpack_to_buffer()
+    to_dlpack = torch.utils.dlpack.to_dlpack
+    cpu_device, cpu_stream = _import_target(CPU_DL_DEVICE, 0)
+
+    def from_dlpack(tensor: torch.Tensor):
+        if tensor.device.type == "cpu":
+            return to_buffer(to_dlpack(tensor), cpu_device, cpu_stream, CPU_DL_DEVICE)
+        dl_device_type, device_id = tensor.__dlpack_device__()
+        device, stream = _import_target(int(dl_device_type), device_id)
+        return to_buffer(tensor.__dlpack__(stream=stream), device, stream, int(dl_device_type))
+
+    return from_dlpack
 
 
 @functools.cache
@@ -88,15 +96,18 @@ def _import_target(dl_device_type: int, device_id: int):
     return device, stream
 
 
-@functools.cache
 def _dlpack_to_buffer():
     """jaxlib's capsule import, as (capsule, device, stream, dl_device_type)."""
     from jax._src.lib import _jax, jaxlib_extension_version
 
     to_buffer = _jax.dlpack_managed_tensor_to_buffer
     if jaxlib_extension_version >= 467:
-        return lambda capsule, device, stream, dl_type: to_buffer(capsule, device, stream, None, dl_type)
+        return functools.partial(_with_copy_argument, to_buffer)
     return lambda capsule, device, stream, dl_type: to_buffer(capsule, device, stream, None)
+
+
+def _with_copy_argument(to_buffer, capsule, device, stream, dl_type):
+    return to_buffer(capsule, device, stream, None, dl_type)
 
 
 @functools.cache
@@ -104,15 +115,16 @@ def _importer():
     """The direct import when it gives what the public API gives on this
     JAX (checked once on a probe tensor), else jax.dlpack.from_dlpack."""
     try:
+        direct = _direct_importer()
         probe = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-        direct, public = _from_dlpack_direct(probe), _from_dlpack_public(probe)
+        mine, public = direct(probe), _from_dlpack_public(probe)
         same = (
-            direct.shape == public.shape
-            and direct.dtype == public.dtype
-            and direct.unsafe_buffer_pointer() == probe.data_ptr()
-            and bool((direct == public).all())
+            mine.shape == public.shape
+            and mine.dtype == public.dtype
+            and mine.unsafe_buffer_pointer() == probe.data_ptr()
+            and bool((mine == public).all())
         )
-        return _from_dlpack_direct if same else _from_dlpack_public
+        return direct if same else _from_dlpack_public
     except Exception:  # a JAX whose internals differ: the public API
         return _from_dlpack_public
 

@@ -29,9 +29,10 @@ def _on_cuda(args, kwargs) -> bool:
     return device.type == "cuda"
 
 
-def decompose_to_triton_on_cuda(op, implementation: Callable) -> None:
-    """Registers `implementation` (the op's Python body) to be traced with
-    Triton kernels whenever `op` is traced on CUDA tensors."""
+def decompose_to_triton_on_cuda(op: torch._ops.OpOverload, implementation: Callable,
+                                lib: torch.library.Library) -> None:
+    """Registers (in `lib`) `implementation`, the op's Python body, to be
+    traced with Triton kernels whenever `op` is traced on CUDA tensors."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
@@ -45,4 +46,4 @@ def decompose_to_triton_on_cuda(op, implementation: Callable) -> None:
         with mode, launch.tracing_triton():
             return implementation(*args, **kwargs)
 
-    op.register_torch_dispatch(FunctionalTensorMode, decomposition)
+    torch.library.register_torch_dispatch(op, FunctionalTensorMode, decomposition, lib=lib)

@@ -117,6 +117,7 @@ def _triton_entry(op, device, params, has_inputs, **kwargs):
 
 
 def _build(op, backend, device, avals, params, detect_races, entry):
+    options = {}
     if entry is not None:  # a user's JAX function (torch_pallas.custom_op)
         if backend.family == "triton":
             raise backends.BackendError(
@@ -138,10 +139,24 @@ def _build(op, backend, device, avals, params, detect_races, entry):
         entry = functools.partial(
             getattr(module, op), **params, config=config, **_execution_kwargs(backend, detect_races),
         )
+        if hasattr(module, "compiler_options"):  # XLA options per shape
+            options = module.compiler_options(backend.name, avals, params)
     jax = jax_env.jax()
     sharding = jax.sharding.SingleDeviceSharding(jax_device(device))
     shapes = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=sharding) for shape, dtype in avals]
-    return jax.jit(entry, out_shardings=sharding).lower(*shapes).compile()
+    return _compile(jax.jit(entry, out_shardings=sharding).lower(*shapes), options)
+
+
+def _compile(lowered, options: Mapping[str, Any]):
+    """`lowered` compiled with the kernel's XLA `options`, or without them on
+    an XLA that does not know them (they choose speed, never results)."""
+    if options:
+        try:
+            return lowered.compile(dict(options))
+        except RuntimeError as e:
+            if "INVALID_ARGUMENT" not in str(e) or "option" not in str(e):
+                raise
+    return lowered.compile()
 
 
 def compiled_kernel(

@@ -2,9 +2,9 @@
 and behind the public `torch_pallas.custom_op`, which turns any JAX function
 built on Pallas kernels into a torch op.
 
-`define` is the plumbing: `torch.library.custom_op` + fake function +
-autograd + the torch.compile path on CUDA (the op's Triton implementation
-traced into the graph). The shipped ops call it with their own
+`define` is the plumbing: a torch.library schema + implementation + fake
+function + autograd + the torch.compile path on CUDA (the op's Triton
+implementation traced into the graph). The shipped ops call it with their own
 implementations; `custom_op` builds the implementation, the fake function
 (from `jax.eval_shape`) and the autograd wiring from a JAX function.
 
@@ -53,18 +53,86 @@ def define(
     setup_context: Callable | None = None,
     compile_path: Callable | None = None,
 ):
-    """Registers op `name` (`torch.library.custom_op`) with its fake function,
-    its autograd formula (`backward`, `setup_context` as for
-    `register_autograd`) and `compile_path`: what AOTAutograd traces on CUDA
-    tensors, where kernels launch through `torch.library.wrap_triton`
-    (None: the op stays one opaque call there too)."""
-    op = torch.library.custom_op(name, implementation, mutates_args=(), schema=schema)
-    op.register_fake(fake)
-    if backward is not None:
-        op.register_autograd(backward, setup_context=setup_context)
+    """Registers op `name` ("namespace::op") and returns it (its
+    torch.ops packet): the schema (inferred from `implementation`'s
+    annotations unless given), `implementation` for every device, `fake` for
+    tracing, the autograd formula (`backward`, `setup_context` as for
+    `torch.library.register_autograd`) and `compile_path`: what AOTAutograd
+    traces on CUDA tensors, where kernels launch through
+    `torch.library.wrap_triton` (None: the op stays one opaque call there too).
+
+    This is what `torch.library.custom_op` registers, minus its per-call
+    wrappers (a second autograd wrapper on calls that need no gradient,
+    output checks for tagged in-place/out ops): those cost more than a small
+    kernel, and every op here returns fresh tensors.
+    """
+    namespace, opname = name.split("::")
+    if schema is None:
+        schema = torch.library.infer_schema(implementation, mutates_args=())
+    lib = _library(namespace)
+    lib.define(opname + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    packet = getattr(getattr(torch.ops, namespace), opname)
+    torch.library.register_fake(name, fake, lib=lib)
+    # Dynamo must not trace into the kernel when an eager call happens inside
+    # a compiled region (after a graph break): it is JAX code.
+    lib.impl(opname, torch._disable_dynamo(implementation), "CompositeExplicitAutograd")
+    lib.impl(opname, _autograd_kernel(packet.default, backward, setup_context), "Autograd",
+             with_keyset=True)
     if compile_path is not None:
-        decompose_to_triton_on_cuda(op, compile_path)
-    return op
+        decompose_to_triton_on_cuda(packet.default, compile_path, lib)
+    return packet
+
+
+_libraries: dict[str, torch.library.Library] = {}
+
+
+def _library(namespace: str) -> torch.library.Library:
+    """The Library holding this package's registrations in `namespace`
+    (kept alive: registrations end when their Library is collected)."""
+    if namespace not in _libraries:
+        _libraries[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    return _libraries[namespace]
+
+
+def _autograd_kernel(op: torch._ops.OpOverload, backward: Callable | None,
+                     setup_context: Callable | None) -> Callable:
+    """The op's Autograd kernel. A call that needs no gradient goes straight
+    below autograd; one that does runs through an autograd.Function calling
+    `setup_context` and `backward` as torch.library.register_autograd does
+    (same ctx, same needs_input_grad)."""
+    after_autograd = torch._C._after_autograd_keyset
+
+    def below_autograd(keyset, args, kwargs):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & after_autograd, *args, **kwargs)
+
+    def forward(ctx, *args_and_dispatch):
+        *args, (keyset, kwargs) = args_and_dispatch
+        result = below_autograd(keyset, args, kwargs)
+        if setup_context is not None:
+            setup_context(ctx=ctx, inputs=tuple(args), output=result)
+        return result
+
+    def backward_(ctx, *grads):
+        if backward is None:
+            raise RuntimeError(f"{op._name} has no backward: it cannot be differentiated")
+        needs_input_grad = ctx.needs_input_grad
+        ctx.needs_input_grad = needs_input_grad[:-1]  # the op's arguments only
+        try:
+            result = backward(ctx, *grads)
+        finally:
+            ctx.needs_input_grad = needs_input_grad
+        return (*result, None) if isinstance(result, tuple) else (result, None)
+
+    function = type(f"Backward_{op._name.replace('::', '_')}", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+
+    def kernel(keyset, *args, **kwargs):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return function.apply(*args, (keyset, kwargs))
+        return below_autograd(keyset, args, kwargs)
+
+    return kernel
 
 
 class _Signature:
@@ -242,8 +310,8 @@ def custom_op(
     triton: Callable | None = None,
 ):
     """Registers the JAX function `fn` (built on Pallas kernels) as the torch
-    op `name` ("namespace::op") and returns it (a torch.library CustomOpDef,
-    callable like the function).
+    op `name` ("namespace::op") and returns it (its torch.ops packet, callable
+    like the function).
 
     - Parameters annotated `torch.Tensor` take tensors (JAX arrays inside
       `fn`), `int`/`float`/`bool` ones take static values; the return is
@@ -289,9 +357,8 @@ def custom_op(
         def compile_path(*args, **kwargs):
             return triton(*args, wrap=torch.library.wrap_triton, **kwargs)
 
-    op = define(name, implementation, fake=fake, schema=schema, compile_path=compile_path, **autograd)
-    functools.update_wrapper(op, fn, updated=())
-    return op
+    return define(name, implementation, fake=fake, schema=schema, compile_path=compile_path,
+                  **autograd)
 
 
 def _uses_triton(device: torch.device) -> bool:

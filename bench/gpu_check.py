@@ -24,6 +24,7 @@ Exits 1 on any wrong result, 2 when there is no GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
 import time
@@ -83,19 +84,45 @@ def check_ops(backend: str, failures: list[str]) -> None:
             run(f"add {dtype}", add)
         cases = [((1, 1), (1, 1)), ((7, 5), (5, 3)), ((1000, 999), (999, 1001)),
                  ((257, 129), (129, 65)), ((3, 100, 70), (70, 50)), ((2, 1, 64, 96), (3, 96, 40))]
+        # float32 on the Tensor Cores is TF32: mosaic_gpu runs it only where
+        # torch allows TF32 ('high'), and refuses at the default 'highest'.
+        tf32 = backend == "mosaic_gpu"
+        if tf32:
+            def refuses_full_float32():
+                a = torch.randn(64, 64, device=dev)
+                try:
+                    torch.ops.pallas.matmul(a, a)
+                except torch_pallas.BackendError as e:
+                    expect("matmul float32 at 'highest' refused", "TF32" in str(e))
+                else:
+                    expect("matmul float32 at 'highest' refused", False, "it ran")
+            run("matmul float32 at 'highest'", refuses_full_float32)
         for dtype in FLOATS:
             for a_shape, b_shape in cases:
                 def matmul(a_shape=a_shape, b_shape=b_shape, dtype=dtype):
                     a = torch.randn(a_shape, device=dev, dtype=dtype)
                     b = torch.randn(b_shape, device=dev, dtype=dtype)
+                    precision = "high" if tf32 and dtype == torch.float32 else "highest"
                     for label, (x, w) in {"": (a, b), " b^T": (a, b.mT.contiguous().mT)}.items():
-                        out = torch.ops.pallas.matmul(x, w)
+                        with float32_matmul_precision(precision):
+                            out = torch.ops.pallas.matmul(x, w)
                         ref = references.matmul(x.cpu(), w.cpu())
-                        bound = references.matmul_error_bound(x.cpu(), w.cpu(), ref)
+                        bound = references.matmul_error_bound(x.cpu(), w.cpu(), ref,
+                                                              tf32=precision == "high")
                         err = (out.cpu().double() - ref).abs()
-                        expect(f"matmul {a_shape}x{b_shape}{label} {dtype}",
+                        expect(f"matmul {a_shape}x{b_shape}{label} {dtype} ({precision})",
                                bool((err <= bound).all()), f"max err {err.max().item():.3g}")
                 run(f"matmul {a_shape} {dtype}", matmul)
+
+
+@contextlib.contextmanager
+def float32_matmul_precision(setting: str):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(setting)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def check_compile(failures: list[str]) -> None:

@@ -11,6 +11,12 @@ The op reduces every call to one batched kernel call on 3-D operands
   kernel reads it in place;
 - an operand broadcast along some batch dimensions but not all is
   materialised (one copy); so is one with any other layout.
+
+float32 products follow torch's float32 matmul precision: full float32 at
+'highest' (the default), TF32 allowed at 'high' and 'medium'. The Hopper
+kernel (mosaic_gpu) multiplies float32 only as TF32, so at 'highest' an
+automatic mosaic_gpu choice runs the Triton kernel instead, and an explicit
+one raises.
 """
 
 from __future__ import annotations
@@ -92,11 +98,18 @@ def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             pass  # a layout that does not fold: a batch of a's, one b
     a3, transpose_a = as_kernel_operand(a2, batch)
     b3, transpose_b = as_kernel_operand(b2, batch)
-    out = launch(
-        "matmul", a.device, (a3, b3),
-        {"transpose_a": transpose_a, "transpose_b": transpose_b},
-    )
+    params = {"transpose_a": transpose_a, "transpose_b": transpose_b}
+    if a.dtype == torch.float32:
+        params["precision"] = float32_precision()
+    out = launch("matmul", a.device, (a3, b3), params)
     return out.reshape(shape)
+
+
+def float32_precision() -> str:
+    """How float32 products may be computed, as torch.matmul's are
+    (torch.set_float32_matmul_precision): "ieee", full float32, at torch's
+    default 'highest'; "tf32" where torch allows TF32 ('high', 'medium')."""
+    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def matmul_fake(a, b):

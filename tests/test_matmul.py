@@ -7,8 +7,10 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import bridge, compile_cache, references
+from torch_pallas import backends, bridge, compile_cache, references
+from torch_pallas.kernels.mosaic_gpu import matmul as mosaic_matmul
 from torch_pallas.kernels.tpu import matmul as tpu_matmul
+from torch_pallas.ops import matmul as matmul_op
 from torch_pallas.ops.matmul import as_kernel_operand
 from helpers import FLOAT_DTYPES, assert_within, random_tensor
 
@@ -90,6 +92,40 @@ def test_unknown_compiler_options_fall_back(monkeypatch):
             check_matmul(random_tensor((11, 7), torch.float32), random_tensor((7, 5), torch.float32))
     finally:
         compile_cache.clear()
+
+
+@pytest.fixture
+def float32_matmul_precision():
+    """Sets torch's float32 matmul precision for one test, then restores it."""
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+def test_float32_precision_follows_torch(cpu_backend, float32_matmul_precision):
+    """'highest' asks the kernels for full float32, 'high'/'medium' allow
+    TF32 (and get their own compiled kernels); on the CPU backends both are
+    exact to float32."""
+    for setting, expected in (("highest", "ieee"), ("high", "tf32"), ("medium", "tf32")):
+        float32_matmul_precision(setting)
+        assert matmul_op.float32_precision() == expected
+        check_matmul(random_tensor((37, 70), torch.float32), random_tensor((70, 29), torch.float32))
+
+
+def test_tensor_cores_refuse_full_float32_clearly(float32_matmul_precision):
+    """mosaic_gpu multiplies float32 only as TF32: at 'highest' an automatic
+    choice of it falls back to Triton, an explicit one raises, naming why."""
+    avals = (((1, 8, 8), "float32"), ((1, 8, 8), "float32"))
+    reason = mosaic_matmul.unsupported("mosaic_gpu", avals, {"precision": "ieee"})
+    assert "TF32" in reason and "'highest'" in reason
+    assert mosaic_matmul.unsupported("mosaic_gpu", avals, {"precision": "tf32"}) is None
+    assert mosaic_matmul.unsupported("mosaic_gpu_interpret", avals, {"precision": "ieee"}) is None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    mosaic_gpu = backends.get("mosaic_gpu")
+    assert backends.fall_back(device, "pallas::matmul", mosaic_gpu, reason).name == "triton"
+    with torch_pallas.backend("mosaic_gpu"):
+        with pytest.raises(backends.BackendError, match="pallas::matmul: backend 'mosaic_gpu' .*TF32"):
+            backends.fall_back(device, "pallas::matmul", mosaic_gpu, reason)
 
 
 def test_matmul_strided_operands():

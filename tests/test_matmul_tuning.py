@@ -36,7 +36,8 @@ def simulate(config, dtype, batches=(1, 1), seed=0):
     b = jnp.asarray(rng.standard_normal((batches[1], k, n)), dtype)
     interpret = jax_env.gpu_interpret_params(detect_races=False)
     try:
-        out = jax.jit(lambda a, b: M.matmul_warp_specialized(a, b, config=config, interpret=interpret))(a, b)
+        out = jax.jit(lambda a, b: M.matmul(a, b, transpose_a=False, transpose_b=False,
+                                            config=config, interpret=interpret))(a, b)
     except Exception:
         jax_env.reset_simulator("mosaic_gpu")
         raise

@@ -135,3 +135,34 @@ def test_compiled_training_step_on_cuda_matches_eager():
     model(x).square().mean().backward()
     for got, expected in zip(grads, (p.grad for p in model.parameters())):
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_float32_matmul_precision_on_cuda():
+    """At torch's default 'highest' precision float32 products are full
+    float32 (the default backend runs Triton's IEEE kernel; mosaic_gpu,
+    TF32 only, refuses when asked by name); at 'high' both may use TF32."""
+    from torch_pallas import references
+
+    a = torch.randn(300, 1000, device="cuda")
+    b = torch.randn(1000, 170, device="cuda")
+    ref = references.matmul(a.cpu(), b.cpu())
+    bound = references.matmul_error_bound(a.cpu(), b.cpu(), ref)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        out = torch.ops.pallas.matmul(a, b).cpu()
+        assert bool(((out.double() - ref).abs() <= bound).all())
+        if torch.cuda.get_device_capability()[0] >= 9:
+            with torch_pallas.backend("mosaic_gpu"), pytest.raises(RuntimeError, match="TF32"):
+                torch.ops.pallas.matmul(a, b)
+        torch.set_float32_matmul_precision("high")
+        tf32_bound = references.matmul_error_bound(a.cpu(), b.cpu(), ref, tf32=True)
+        for backend in ("triton", "mosaic_gpu") if torch.cuda.get_device_capability()[0] >= 9 else ("triton",):
+            with torch_pallas.backend(backend):
+                for w in (b, b.t().contiguous().t()):  # B as given, and transposed in memory
+                    out = torch.ops.pallas.matmul(a, w).cpu()
+                    assert bool(((out.double() - ref).abs() <= tf32_bound).all()), backend
+    finally:
+        torch.set_float32_matmul_precision(before)

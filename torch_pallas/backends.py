@@ -148,6 +148,16 @@ def check_serves(b: Backend, device: torch.device, op: str) -> None:
             )
 
 
+def fall_back(device: torch.device, op: str, backend: Backend, reason: str) -> Backend:
+    """The backend for a call `backend` cannot run (`reason`): an automatic
+    choice falls back to triton; an explicit request raises."""
+    if requested() is not None:
+        raise BackendError(f"{op}: backend {backend.name!r} {reason}")
+    fallback = BACKENDS["triton"]
+    check_serves(fallback, device, op)
+    return fallback
+
+
 def select(device: torch.device, op: str) -> Backend:
     """The backend for a call of `op` on `device`: requested, else default."""
     name = requested()

@@ -60,6 +60,7 @@ def qualified_name(op: str) -> str:
     return op if "::" in op else f"pallas::{op}"
 
 
+@functools.cache
 def kernel_module(family: str, op: str):
     return importlib.import_module(f"torch_pallas.kernels.{family}.{op}")
 
@@ -171,9 +172,16 @@ def compiled_kernel(
     returns JAX arrays (Triton kernels: torch tensors). `entry` is a user's
     JAX function standing in for kernels/<family>/<op>.py."""
     params = params or {}
-    backend = backends.select(device, qualified_name(op))
-    detect_races = backend.simulated and _detect_races.get()
+    name = qualified_name(op)
+    backend = backends.select(device, name)
     avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in inputs)
+    if entry is None and backend.family != "triton":
+        module = kernel_module(backend.family, op)
+        # A kernel that cannot run this call as asked (e.g. at this precision).
+        reason = module.unsupported(backend.name, avals, params) if hasattr(module, "unsupported") else None
+        if reason is not None:
+            backend = backends.fall_back(device, name, backend, reason)
+    detect_races = backend.simulated and _detect_races.get()
     key = (op, backend.name, device, avals, tuple(params.items()), detect_races)
     kernel = compile_cache.kernels.get(
         key, lambda: _build(op, backend, device, avals, params, detect_races, entry)

@@ -25,21 +25,22 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.double() @ b.double()
 
 
-# What one rounding step costs in each dtype (2**-mantissa_bits), and the
-# Tensor Core input precision (tf32 for float32 on Hopper).
+# What one rounding step costs in each dtype (2**-mantissa_bits), and what
+# rounding a Tensor Core input costs (TF32 for float32, when torch allows it).
 ROUNDING = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-TENSOR_CORE_INPUT = {torch.float32: 2.0**-11, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+TF32_INPUT = 2.0**-11
 
 
-def matmul_error_bound(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+def matmul_error_bound(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor,
+                       tf32: bool = False) -> torch.Tensor:
     """Elementwise bound on |pallas - ref| for a float32-accumulated product
-    in a's dtype that would also hold on the hardware: rounding the inputs
-    to the Tensor Core precision (|a||b| per term, summed), accumulating in
-    float32, and rounding the output once."""
+    in a's dtype: float32 accumulation, one rounding of the output and, with
+    `tf32` (float32 at torch's 'high' precision), the inputs rounded to TF32;
+    16-bit inputs are exact in float32."""
     k = a.shape[-1]
     magnitude = a.double().abs() @ b.double().abs()
-    inputs = 2 * TENSOR_CORE_INPUT[a.dtype] * magnitude
     accumulate = k * 2.0**-24 * magnitude
+    inputs = 2 * TF32_INPUT * magnitude if tf32 and a.dtype == torch.float32 else 0
     finfo = torch.finfo(a.dtype)
     output = ROUNDING[a.dtype] * ref.abs() + finfo.tiny * finfo.eps  # subnormals too
     return inputs + accumulate + output

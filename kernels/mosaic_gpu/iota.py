@@ -3,6 +3,11 @@
 A parallel grid (`grid` + `grid_names=('i',)`); block `i` finds its slice
 with `jax.lax.axis_index('i')` and writes it with `pl.ds(i * block, block)`.
 Values are computed in int32 and cast to the output dtype in the kernel.
+
+The kernel uses Warpgroup lowering semantics: under the default Lane
+semantics the hardware lowering cannot give `jnp.arange` a register layout
+("Failed to infer the output layout of the iota"; the simulator does not
+check layouts), while warpgroup layout inference derives it from the store.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ def iota(n, dtype, *, config: IotaConfig, interpret):
         out_type=jax.ShapeDtypeStruct((blocks * config.block,), jnp.dtype(dtype)),
         grid=(blocks,),
         grid_names=("i",),
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup
+        ),
         interpret=interpret,
     )()
     return out[:n]

@@ -133,8 +133,8 @@ def time_on_device(config: WarpSpecializedConfig, dtype, m: int, n: int, k: int,
     key_a, key_b = jax.random.split(jax.random.key(0))
     a = jax.random.normal(key_a, (1, m, k), dtype)
     b = jax.random.normal(key_b, (1, k, n), dtype)
-    fn = jax.jit(lambda a, b: matmul_module.matmul_warp_specialized(
-        a, b, config=config, interpret=None))
+    fn = jax.jit(lambda a, b: matmul_module.matmul(
+        a, b, transpose_a=False, transpose_b=False, config=config, interpret=None))
     fn(a, b).block_until_ready()
     times = []
     for _ in range(repeats):
@@ -150,14 +150,17 @@ def tune(dtype, m: int, n: int, k: int, *, cache: TuningCache | None = None,
     """Times every candidate for this shape bucket, stores the fastest in the
     cache and returns it. Configurations that fail to compile are skipped."""
     cache = cache or TuningCache()
-    timings = []
+    timings, failures = [], []
     for config in configs if configs is not None else candidates(dtype):
         try:
             timings.append((time_fn(config, dtype, m, n, k), config))
-        except Exception:  # does not compile or run on this device
-            continue
+        except Exception as e:  # does not compile or run on this device
+            failures.append(f"{config}: {type(e).__name__}: {e}")
     if not timings:
-        raise RuntimeError(f"no matmul configuration ran for {m}x{k}x{n} {jnp.dtype(dtype).name}")
+        raise RuntimeError(
+            f"no matmul configuration ran for {m}x{k}x{n} {jnp.dtype(dtype).name}; "
+            f"{len(failures)} failed, the first: {failures[0] if failures else 'none tried'}"
+        )
     best = min(timings, key=lambda t: t[0])[1]
     cache.put(dtype, m, n, k, best)
     return best

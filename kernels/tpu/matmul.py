@@ -87,8 +87,11 @@ def matmul_kernel(a_hbm, b_hbm, o_hbm, acc_vmem=None, *, blocks, transpose_a, tr
         a = jnp.broadcast_to(a, (bb, *a.shape[1:]))
         b = jnp.broadcast_to(b, (bb, *b.shape[1:]))
         contract = ((1 if transpose_a else 2,), (2 if transpose_b else 1,))
+        # float32 at HIGHEST: the MXU's default for float32 is one bfloat16
+        # pass, less than torch allows at any float32 matmul precision.
         return jax.lax.dot_general(
-            a, b, (contract, ((0,), (0,))), preferred_element_type=jnp.float32
+            a, b, (contract, ((0,), (0,))), precision=jax.lax.Precision.HIGHEST,
+            preferred_element_type=jnp.float32,
         )
 
     def body(a_vmem, b_vmem, o_vmem):
@@ -133,8 +136,9 @@ def matmul_kernel(a_hbm, b_hbm, o_hbm, acc_vmem=None, *, blocks, transpose_a, tr
 
 
 def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
-           num_cores: int, interpret):
-    """Batched a @ b, accumulated in float32, in a's dtype.
+           num_cores: int, interpret, precision: str = "ieee"):
+    """Batched a @ b, accumulated in float32, in a's dtype. float32 is
+    multiplied in full whatever `precision` allows (see block_product).
 
     a: (Ba, M, K), or (Ba, K, M) with transpose_a; b: (Bb, K, N), or
     (Bb, N, K) with transpose_b; Ba and Bb are 1 or the batch B. Returns

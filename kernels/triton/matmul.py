@@ -55,7 +55,7 @@ def matmul_kernel(
     stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     batch = tl.program_id(1)
@@ -80,7 +80,7 @@ def matmul_kernel(
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         if UPCAST:  # only under Triton's interpreter; exact for bfloat16
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -91,12 +91,15 @@ def matmul_kernel(
 matmul_kernel_autotuned = triton.autotune(configs=AUTOTUNE_CONFIGS, key=["M", "N", "K"])(matmul_kernel)
 
 
-def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig, wrap=direct):
+def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig, wrap=direct,
+           precision: str = "ieee"):
     """Batched a @ b for torch tensors, accumulated in float32, in a's dtype.
 
     a: (Ba, M, K), or (Ba, K, M) with transpose_a; b: (Bb, K, N), or
     (Bb, N, K) with transpose_b; Ba and Bb are 1 or the batch B. Returns a
-    new (B, M, N) tensor. Transposes are strides, read in place.
+    new (B, M, N) tensor. Transposes are strides, read in place. float32
+    products are full float32 (`precision` "ieee") or TF32 ("tf32");
+    16-bit ones are exact either way.
     """
     if transpose_a:
         a = a.mT
@@ -122,10 +125,11 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig, 
     # Upcasting bfloat16 operands to float32 is exact (see interpreter_safe_dtype).
     upcast = interpreter_safe_dtype(a.dtype) != a.dtype
     if config.autotune:
-        wrap(matmul_kernel_autotuned)[grid](*args, UPCAST=upcast)
+        wrap(matmul_kernel_autotuned)[grid](*args, UPCAST=upcast, INPUT_PRECISION=precision)
     else:
         wrap(matmul_kernel)[grid](
             *args, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             BLOCK_K=config.block_k, GROUP_M=config.group_m, UPCAST=upcast,
+            INPUT_PRECISION=precision,
         )
     return c.to(a.dtype)

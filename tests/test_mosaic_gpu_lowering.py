@@ -1,0 +1,98 @@
+"""The Mosaic GPU kernels lowered for a Hopper GPU (sm_90a), with no GPU.
+
+`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` with
+`interpret=None` runs everything Mosaic GPU checks before the CUDA compiler:
+the Pallas lowering, wgmma operand dtypes, layouts and transposes (float32
+is TF32 there and must be K-major), TMA and SMEM transforms, warpgroup
+layout inference, the 227 KiB shared-memory budget and the MLIR verifier.
+The simulator (`mosaic_gpu_interpret`) checks the values and none of these;
+together they cover what can be known of the hardware path on a CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from torch_pallas.kernels.mosaic_gpu import add, fill, iota, matmul, matmul_tuning
+
+H100 = "NVIDIA H100 80GB HBM3"
+DTYPES = ("float32", "bfloat16", "float16", "int32")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@pytest.fixture(autouse=True)
+def hopper_sm_count(monkeypatch):
+    # The persistent matmul asks the device for its SM count: an H100's here.
+    monkeypatch.setattr(matmul, "num_sms", lambda: 132)
+
+
+def lower_for_hopper(f, *avals):
+    lowered = jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text(), "no Mosaic GPU kernel in the lowered module"
+
+
+def aval(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_block_kernels_lower(dtype):
+    for shape in ((1000,), (64, 4096)):
+        lower_for_hopper(lambda s=shape: fill.fill(
+            s, 3, dtype, config=fill.default_config("mosaic_gpu"), interpret=None))
+    for n in (1000, 1 << 20):
+        lower_for_hopper(lambda n=n: iota.iota(
+            n, dtype, config=iota.default_config("mosaic_gpu"), interpret=None))
+    for x_shape, y_shape in (((1000,), (1000,)), ((3, 999), (999,))):
+        out_shape = jnp.broadcast_shapes(x_shape, y_shape)
+        lower_for_hopper(
+            lambda x, y, o=out_shape: add.add(x, y, o, config=add.default_config("mosaic_gpu"),
+                                              interpret=None),
+            aval(x_shape, dtype), aval(y_shape, dtype))
+
+
+def lower_matmul(dtype, config, a_shape, b_shape, transpose_b=False):
+    precision = {"precision": "tf32"} if dtype == "float32" else {}
+    lower_for_hopper(
+        lambda a, b: matmul.matmul(a, b, transpose_a=False, transpose_b=transpose_b,
+                                   config=config, interpret=None, **precision),
+        aval(a_shape, dtype), aval(b_shape, dtype))
+
+
+MATMUL_SHAPES = [  # (batch of a, M, N, K, batch of b)
+    (1, 1000, 999, 1001, 1),
+    (1, 128, 4096, 4096, 1),
+    (4, 256, 384, 512, 1),
+    (3, 200, 136, 72, 3),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("ba,m,n,k,bb", MATMUL_SHAPES, ids=str)
+def test_matmul_kernels_lower(dtype, ba, m, n, k, bb):
+    """The quickstart kernel, the shipped and the generic warp-specialized
+    configurations; B as given and transposed (float32 reads it in place)."""
+    configs = [matmul.default_config("mosaic_gpu"), matmul_tuning.GENERIC_DEFAULT,
+               matmul_tuning.shipped_default(H100, dtype, m, n, k)]
+    for config in filter(None, configs):
+        lower_matmul(dtype, config, (ba, m, k), (bb, k, n))
+    lower_matmul(dtype, matmul_tuning.GENERIC_DEFAULT, (ba, m, k), (bb, n, k), transpose_b=True)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_every_tunable_matmul_config_lowers(dtype):
+    """Whatever the tuner may pick (matmul_tuning.candidates) fits the
+    hardware, not only the simulator."""
+    for config in matmul_tuning.candidates(dtype):
+        lower_matmul(dtype, config, (1, 1000, 4100), (1, 4100, 1500))
+
+
+def test_full_float32_is_refused_on_the_tensor_cores():
+    with pytest.raises(ValueError, match="TF32 only"):
+        lower_for_hopper(
+            lambda a, b: matmul.matmul(a, b, transpose_a=False, transpose_b=False,
+                                       config=matmul_tuning.GENERIC_DEFAULT, interpret=None,
+                                       precision="ieee"),
+            aval((1, 64, 64), "float32"), aval((1, 64, 64), "float32"))

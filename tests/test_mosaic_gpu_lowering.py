@@ -28,9 +28,11 @@ def hopper_sm_count(monkeypatch):
     monkeypatch.setattr(matmul, "num_sms", lambda: 132)
 
 
-def lower_for_hopper(f, *avals):
-    lowered = jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text(), "no Mosaic GPU kernel in the lowered module"
+def lower_for_hopper(f, *avals) -> str:
+    """The StableHLO of `f` lowered for a Hopper GPU."""
+    text = jax.jit(f).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text, "no Mosaic GPU kernel in the lowered module"
+    return text
 
 
 def aval(shape, dtype):
@@ -53,10 +55,10 @@ def test_block_kernels_lower(dtype):
             aval(x_shape, dtype), aval(y_shape, dtype))
 
 
-def lower_matmul(dtype, config, a_shape, b_shape, transpose_b=False):
+def lower_matmul(dtype, config, a_shape, b_shape, transpose_a=False, transpose_b=False) -> str:
     precision = {"precision": "tf32"} if dtype == "float32" else {}
-    lower_for_hopper(
-        lambda a, b: matmul.matmul(a, b, transpose_a=False, transpose_b=transpose_b,
+    return lower_for_hopper(
+        lambda a, b: matmul.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b,
                                    config=config, interpret=None, **precision),
         aval(a_shape, dtype), aval(b_shape, dtype))
 
@@ -73,12 +75,14 @@ MATMUL_SHAPES = [  # (batch of a, M, N, K, batch of b)
 @pytest.mark.parametrize("ba,m,n,k,bb", MATMUL_SHAPES, ids=str)
 def test_matmul_kernels_lower(dtype, ba, m, n, k, bb):
     """The quickstart kernel, the shipped and the generic warp-specialized
-    configurations; B as given and transposed (float32 reads it in place)."""
+    configurations, with the operands as given and transposed in memory
+    (read in place by wgmma, except a transposed float32 A)."""
     configs = [matmul.default_config("mosaic_gpu"), matmul_tuning.GENERIC_DEFAULT,
                matmul_tuning.shipped_default(H100, dtype, m, n, k)]
     for config in filter(None, configs):
         lower_matmul(dtype, config, (ba, m, k), (bb, k, n))
-    lower_matmul(dtype, matmul_tuning.GENERIC_DEFAULT, (ba, m, k), (bb, n, k), transpose_b=True)
+        lower_matmul(dtype, config, (ba, k, m), (bb, n, k), transpose_a=True, transpose_b=True)
+        lower_matmul(dtype, config, (ba, k, m), (bb, k, n), transpose_a=True)
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
@@ -87,6 +91,22 @@ def test_every_tunable_matmul_config_lowers(dtype):
     hardware, not only the simulator."""
     for config in matmul_tuning.candidates(dtype):
         lower_matmul(dtype, config, (1, 1000, 4100), (1, 4100, 1500))
+        lower_matmul(dtype, config, (1, 4100, 1000), (1, 1500, 4100),
+                     transpose_a=True, transpose_b=True)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_operands_are_copied_only_where_wgmma_cannot_read_them(dtype):
+    """No transpose outside the kernel for 16-bit operands, whichever way
+    they lie; float32 (TF32, K-major only) copies B when it is (K, N) and A
+    when it is (K, M)."""
+    config = matmul_tuning.GENERIC_DEFAULT
+    as_given = lower_matmul(dtype, config, (1, 300, 200), (1, 200, 100))
+    transposed = lower_matmul(dtype, config, (1, 200, 300), (1, 100, 200),
+                              transpose_a=True, transpose_b=True)
+    copies = 1 if dtype == "float32" else 0
+    assert as_given.count("stablehlo.transpose") == copies
+    assert transposed.count("stablehlo.transpose") == copies
 
 
 def test_full_float32_is_refused_on_the_tensor_cores():

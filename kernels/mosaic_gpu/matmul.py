@@ -20,13 +20,16 @@ cannot place it in one allocation with the SMEM scratch). Ragged M, N, K are
 zero-padded to whole tiles once, outside the kernel. A batch of 1 is
 broadcast against the other operand's by its tile index.
 
-float32 runs on the Tensor Cores as TF32, whose wgmma reads both operands
-K-major: on the hardware B is staged as (N, K) tiles (a transposed B, as in
-`x @ w.t()`, is read in place) and handed to wgmma through
-`plgpu.transpose_ref`. The op asks for this only when torch allows TF32
-(`unsupported`). The simulator multiplies float32 exactly and cannot run
-transposed SMEM refs (jax 0.10), so it keeps B (K, N); `tests/
-test_mosaic_gpu_lowering.py` lowers the hardware path for sm_90a.
+Operand layouts on the hardware: wgmma reads 16-bit operands either way, so
+a transposed operand (`x @ w.t()`, `a.mT @ b`) is staged as it lies in
+memory, (N, K) tiles of B or (K, M) tiles of A, and handed to wgmma through
+`plgpu.transpose_ref`: no copy. float32 runs on the Tensor Cores as TF32,
+which reads both operands K-major only: B is always staged (N, K) (read in
+place when transposed, copied once otherwise) and A (M, K). The op asks for
+TF32 only when torch allows it (`unsupported`). The simulator multiplies
+float32 exactly and cannot run transposed SMEM refs (jax 0.10), so there
+XLA transposes operands to (M, K) and (K, N) first; `tests/
+test_mosaic_gpu_lowering.py` lowers every hardware layout for sm_90a.
 
 `warp_specialized_kernel` is the fast Hopper kernel, after the techniques
 the Mosaic GPU pipelining guide names next:
@@ -144,18 +147,25 @@ class WarpSpecializedConfig:
 
 
 def matmul_kernel(a_gmem, b_gmem, o_gmem, o_smem, *, k_tiles, a_batched, b_batched,
-                  tile_k, max_concurrent_steps, b_k_major):
-    """a_gmem (Ba*Mp, Kp), b_gmem (Bb*Kp, Np), or (Bb*Np, Kp) if b_k_major,
-    o_gmem (B*Mp, Np): batches stacked along the rows, each padded to whole
-    tiles."""
+                  tile_k, max_concurrent_steps, a_m_major, b_k_major):
+    """a_gmem (Ba*Mp, Kp), or (Ba*Kp, Mp) if a_m_major; b_gmem (Bb*Kp, Np),
+    or (Bb*Np, Kp) if b_k_major; o_gmem (B*Mp, Np): batches stacked along
+    the rows, each padded to whole tiles."""
     tile_m, tile_n = o_smem.shape
     m_tiles = o_gmem.shape[0] // tile_m // jax.lax.axis_size("b")
     n_tiles = jax.lax.axis_size("n")
     pid_b = jax.lax.axis_index("b")
     pid_m = jax.lax.axis_index("m")
     pid_n = jax.lax.axis_index("n")
-    a_row = (pid_b if a_batched else 0) * m_tiles + pid_m
     transforms = smem_transforms(a_gmem.dtype)
+    if a_m_major:
+        a_row = (pid_b if a_batched else 0) * k_tiles
+        a_spec = plgpu.BlockSpec((tile_k, tile_m), lambda ki: (a_row + ki, pid_m),
+                                 transforms=transforms, delay_release=1)
+    else:
+        a_row = (pid_b if a_batched else 0) * m_tiles + pid_m
+        a_spec = plgpu.BlockSpec((tile_m, tile_k), lambda ki: (a_row, ki),
+                                 transforms=transforms, delay_release=1)
     if b_k_major:
         b_row = (pid_b if b_batched else 0) * n_tiles + pid_n
         b_spec = plgpu.BlockSpec((tile_n, tile_k), lambda ki: (b_row, ki),
@@ -167,6 +177,8 @@ def matmul_kernel(a_gmem, b_gmem, o_gmem, o_smem, *, k_tiles, a_batched, b_batch
 
     def accumulate(acc):
         def step(_, a_smem, b_smem):
+            if a_m_major:
+                a_smem = plgpu.transpose_ref(a_smem, (1, 0))
             if b_k_major:
                 b_smem = plgpu.transpose_ref(b_smem, (1, 0))
             plgpu.wgmma(acc, a_smem, b_smem)
@@ -175,11 +187,7 @@ def matmul_kernel(a_gmem, b_gmem, o_gmem, o_smem, *, k_tiles, a_batched, b_batch
         plgpu.emit_pipeline(
             step,
             grid=(k_tiles,),
-            in_specs=[
-                plgpu.BlockSpec((tile_m, tile_k), lambda ki: (a_row, ki),
-                                transforms=transforms, delay_release=1),
-                b_spec,
-            ],
+            in_specs=[a_spec, b_spec],
             max_concurrent_steps=max_concurrent_steps,
         )(a_gmem, b_gmem)
         return acc[...]
@@ -193,10 +201,10 @@ def matmul_kernel(a_gmem, b_gmem, o_gmem, o_smem, *, k_tiles, a_batched, b_batch
 
 
 def warp_specialized_kernel(a_gmem, b_gmem, o_gmem, *, config, dtype, batch, m_tiles,
-                            n_tiles, k_tiles, a_batched, b_batched, b_k_major):
-    """a_gmem (Ba*Mp, Kp), b_gmem (Bb*Kp, Np), or (Bb*Np, Kp) if b_k_major,
-    o_gmem (B*Mp, Np): batches stacked along the rows, each padded to whole
-    tiles."""
+                            n_tiles, k_tiles, a_batched, b_batched, a_m_major, b_k_major):
+    """a_gmem (Ba*Mp, Kp), or (Ba*Kp, Mp) if a_m_major; b_gmem (Bb*Kp, Np),
+    or (Bb*Np, Kp) if b_k_major; o_gmem (B*Mp, Np): batches stacked along
+    the rows, each padded to whole tiles."""
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k(dtype)
     cta_n = 2 * tile_n  # two compute warpgroups side by side along N
     epi_m, epi_n = config.epi_tile_m, config.epi_tile_n
@@ -210,7 +218,8 @@ def warp_specialized_kernel(a_gmem, b_gmem, o_gmem, *, config, dtype, batch, m_t
             grid=(k_tiles,),
             memory_registers=40,  # the memory warpgroup only issues copies
             in_specs=[
-                plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k),
+                plgpu.BlockSpec((tile_k, tile_m) if a_m_major else (tile_m, tile_k),
+                                (lambda k: (k, 0)) if a_m_major else (lambda k: (0, k)),
                                 transforms=operand_transforms, memory_space=plgpu.SMEM),
                 plgpu.BlockSpec((cta_n, tile_k) if b_k_major else (tile_k, cta_n),
                                 (lambda k: (0, k)) if b_k_major else (lambda k: (k, 0)),
@@ -244,10 +253,14 @@ def warp_specialized_kernel(a_gmem, b_gmem, o_gmem, *, config, dtype, batch, m_t
                 linear % (m_tiles * n_tiles), (m_tiles, n_tiles),
                 1 if config.grid_minor_n else 0, config.grid_tile_width,
             )
-            a_rows = pl.ds(((b_idx if a_batched else 0) * m_tiles + m_idx) * tile_m, tile_m)
             out_rows = pl.ds((b_idx * m_tiles + m_idx) * tile_m, tile_m)
             cols = pl.ds(n_idx * cta_n, cta_n)
-            b_first = b_idx if b_batched else 0
+            a_first, b_first = (b_idx if a_batched else 0), (b_idx if b_batched else 0)
+            if a_m_major:  # this tile's tile_m columns of A^T
+                a_tile = a_gmem.at[pl.ds(a_first * k_tiles * tile_k, k_tiles * tile_k),
+                                   pl.ds(m_idx * tile_m, tile_m)]
+            else:
+                a_tile = a_gmem.at[pl.ds((a_first * m_tiles + m_idx) * tile_m, tile_m), :]
             if b_k_major:  # this tile's cta_n rows of B^T
                 b_tile = b_gmem.at[pl.ds((b_first * n_tiles + n_idx) * cta_n, cta_n), :]
             else:
@@ -273,6 +286,8 @@ def warp_specialized_kernel(a_gmem, b_gmem, o_gmem, *, config, dtype, batch, m_t
                             )
 
             def step(indices, a_smem, b_smem, acc):
+                if a_m_major:
+                    a_smem = plgpu.transpose_ref(a_smem, (1, 0))
                 if b_k_major:
                     b_operand = plgpu.transpose_ref(b_smem.at[wg_cols, :], (1, 0))
                 else:
@@ -281,9 +296,7 @@ def warp_specialized_kernel(a_gmem, b_gmem, o_gmem, *, config, dtype, batch, m_t
                 plgpu.wgmma_wait(0)
                 return acc
 
-            pipeline(step, compute_context)(
-                a_gmem.at[a_rows, :], b_tile, allocations=allocations
-            )
+            pipeline(step, compute_context)(a_tile, b_tile, allocations=allocations)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -292,14 +305,18 @@ def num_sms() -> int:
     return jax.devices()[0].core_count
 
 
-def as_row_tiles(a, b, b_k_major: bool, tile_m: int, tile_n: int, tile_k: int):
-    """(m, n, k, padded sizes, a rows, b rows): a (Ba, M, K) and b (Bb, K, N),
-    or (Bb, N, K) if b_k_major, zero-padded to whole tiles and stacked along
-    the rows as 2-D (Ba*Mp, Kp) and (Bb*Kp, Np) or (Bb*Np, Kp)."""
-    _, m, k = a.shape
+def as_row_tiles(a, b, a_m_major: bool, b_k_major: bool, tile_m: int, tile_n: int,
+                 tile_k: int):
+    """(m, n, k, padded sizes, a rows, b rows): a (Ba, M, K), or (Ba, K, M)
+    if a_m_major, and b (Bb, K, N), or (Bb, N, K) if b_k_major, zero-padded
+    to whole tiles and stacked along the rows as 2-D arrays."""
+    k, m = a.shape[1:] if a_m_major else a.shape[:0:-1]
     n = b.shape[1] if b_k_major else b.shape[2]
     mp, np_, kp = round_up(m, tile_m), round_up(n, tile_n), round_up(k, tile_k)
-    a_rows = pad_to(a, (a.shape[0], mp, kp)).reshape(-1, kp)
+    if a_m_major:
+        a_rows = pad_to(a, (a.shape[0], kp, mp)).reshape(-1, mp)
+    else:
+        a_rows = pad_to(a, (a.shape[0], mp, kp)).reshape(-1, kp)
     if b_k_major:
         b_rows = pad_to(b, (b.shape[0], np_, kp)).reshape(-1, kp)
     else:
@@ -307,14 +324,15 @@ def as_row_tiles(a, b, b_k_major: bool, tile_m: int, tile_n: int, tile_k: int):
     return (m, n, k), (mp, np_, kp), a_rows, b_rows
 
 
-def matmul_warp_specialized(a, b, *, b_k_major: bool, config: WarpSpecializedConfig, interpret):
-    """Batched a @ b with `warp_specialized_kernel`; a (Ba, M, K), b
-    (Bb, K, N) or, if b_k_major, (Bb, N, K)."""
+def matmul_warp_specialized(a, b, *, a_m_major: bool, b_k_major: bool,
+                            config: WarpSpecializedConfig, interpret):
+    """Batched a @ b with `warp_specialized_kernel`; operands as for
+    `as_row_tiles`."""
     config.check(a.dtype)
     batch = max(a.shape[0], b.shape[0])
     tile_k = config.tile_k(a.dtype)
     (m, n, _), (mp, np_, kp), a_rows, b_rows = as_row_tiles(
-        a, b, b_k_major, config.tile_m, 2 * config.tile_n, tile_k
+        a, b, a_m_major, b_k_major, config.tile_m, 2 * config.tile_n, tile_k
     )
     programs = config.num_programs or num_sms()
     out = plgpu.kernel(
@@ -322,7 +340,7 @@ def matmul_warp_specialized(a, b, *, b_k_major: bool, config: WarpSpecializedCon
             warp_specialized_kernel, config=config, dtype=a.dtype, batch=batch,
             m_tiles=mp // config.tile_m, n_tiles=np_ // (2 * config.tile_n),
             k_tiles=kp // tile_k, a_batched=a.shape[0] > 1, b_batched=b.shape[0] > 1,
-            b_k_major=b_k_major,
+            a_m_major=a_m_major, b_k_major=b_k_major,
         ),
         out_type=jax.ShapeDtypeStruct((batch * mp, np_), a.dtype),
         grid=(programs,),
@@ -356,29 +374,34 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool,
 
     a: (Ba, M, K), or (Ba, K, M) with transpose_a; b: (Bb, K, N), or
     (Bb, N, K) with transpose_b; Ba and Bb are 1 or the batch B. Returns
-    (B, M, N). Transposed operands are transposed here, by XLA (one copy),
-    except a float32 B on the hardware, which the kernel wants (N, K).
-    float32 products are TF32 on the hardware (`precision` "tf32"; see
-    `unsupported`) and exact in the simulator.
+    (B, M, N). On the hardware operands are staged as they lie where wgmma
+    can read them so (see the module's doc), else transposed here by XLA
+    (one copy). float32 products are TF32 on the hardware (`precision`
+    "tf32"; see `unsupported`) and exact in the simulator.
     """
-    b_k_major = jnp.dtype(a.dtype).itemsize == 4 and interpret is None
-    if b_k_major and precision == "ieee":
+    hardware, tf32 = interpret is None, jnp.dtype(a.dtype).itemsize == 4
+    if hardware and tf32 and precision == "ieee":
         raise ValueError(f"matmul: precision {precision!r} cannot run on wgmma (TF32 only)")
-    if transpose_a:
+    a_m_major = hardware and transpose_a and not tf32
+    b_k_major = hardware and (transpose_b or tf32)
+    if transpose_a != a_m_major:
         a = jnp.swapaxes(a, 1, 2)
     if transpose_b != b_k_major:
         b = jnp.swapaxes(b, 1, 2)
     if isinstance(config, WarpSpecializedConfig):
-        return matmul_warp_specialized(a, b, b_k_major=b_k_major, config=config,
-                                       interpret=interpret)
+        return matmul_warp_specialized(a, b, a_m_major=a_m_major, b_k_major=b_k_major,
+                                       config=config, interpret=interpret)
     batch = max(a.shape[0], b.shape[0])
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k(a.dtype)
-    (m, n, _), (mp, np_, kp), a_rows, b_rows = as_row_tiles(a, b, b_k_major, tile_m, tile_n, tile_k)
+    (m, n, _), (mp, np_, kp), a_rows, b_rows = as_row_tiles(
+        a, b, a_m_major, b_k_major, tile_m, tile_n, tile_k
+    )
     out = plgpu.kernel(
         functools.partial(
             matmul_kernel, k_tiles=kp // tile_k, a_batched=a.shape[0] > 1,
             b_batched=b.shape[0] > 1, tile_k=tile_k,
-            max_concurrent_steps=config.max_concurrent_steps, b_k_major=b_k_major,
+            max_concurrent_steps=config.max_concurrent_steps, a_m_major=a_m_major,
+            b_k_major=b_k_major,
         ),
         out_type=jax.ShapeDtypeStruct((batch * mp, np_), a.dtype),
         scratch_types=dict(o_smem=plgpu.SMEM((tile_m, tile_n), a.dtype)),

@@ -12,6 +12,7 @@ import torch
 from conftest import record
 from providers import DEVICE, SMOKE, prepare, providers
 from torch_pallas import references
+from torch_pallas.ops.matmul import float32_precision
 
 if SMOKE:
     SHAPES, DTYPES = [(64, 48, 80)], [torch.float32]
@@ -37,8 +38,10 @@ def test_matmul(benchmark, provider, shape, dtype):
     m, k, n = shape
     a = torch.randn(m, k, device=DEVICE, dtype=dtype)
     b = torch.randn(k, n, device=DEVICE, dtype=dtype)
-    run = prepare(provider, "matmul", (a, b), {}, (a.reshape(1, m, k), b.reshape(1, k, n)),
-                  {"transpose_a": False, "transpose_b": False})
+    params = {"transpose_a": False, "transpose_b": False}
+    if dtype == torch.float32:  # as the op passes it: the same compiled kernel
+        params["precision"] = float32_precision()
+    run = prepare(provider, "matmul", (a, b), {}, (a.reshape(1, m, k), b.reshape(1, k, n)), params)
     benchmark.group = f"matmul {m}x{k}x{n} {str(dtype).removeprefix('torch.')}"
     out = benchmark(run)
     if provider.kind != "jax":  # a benchmark of a wrong result is worthless

@@ -52,16 +52,27 @@ def output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
         f"b.shape={tuple(b.shape)} (a.shape[-1] must equal "
         f"{'b.shape[-2]' if b.dim() >= 2 else 'b.shape[0]'})",
     )
+    batch = batch_shape(a, b)
+    rows = (a.shape[-2],) if a.dim() >= 2 else ()
+    cols = (b.shape[-1],) if b.dim() >= 2 else ()
+    return (*batch, *rows, *cols)
+
+
+def batch_shape(a: torch.Tensor, b: torch.Tensor):
+    """The broadcast batch dimensions of a and b (those before the last two;
+    1-D operands have none)."""
+    a_batch, b_batch = a.shape[:-2], b.shape[:-2]
+    if not b_batch:  # the common cases (x @ w, a weight without batch) cost nothing
+        return a_batch
+    if not a_batch:
+        return b_batch
     try:
-        batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        return torch.broadcast_shapes(a_batch, b_batch)
     except RuntimeError:
         raise ValueError(
             f"{OP}: batch dimensions of a.shape={tuple(a.shape)} and "
             f"b.shape={tuple(b.shape)} do not broadcast"
         ) from None
-    rows = (a.shape[-2],) if a.dim() >= 2 else ()
-    cols = (b.shape[-1],) if b.dim() >= 2 else ()
-    return (*batch, *rows, *cols)
 
 
 def as_kernel_operand(t: torch.Tensor, batch: tuple) -> tuple[torch.Tensor, bool]:
@@ -90,7 +101,7 @@ def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     k = a2.shape[-1]
     if k == 0:
         return a.new_zeros(shape)  # an empty sum
-    batch = torch.broadcast_shapes(a2.shape[:-2], b2.shape[:-2])
+    batch = batch_shape(a2, b2)
     if b2.dim() == 2 and a2.dim() > 2:
         try:
             a2 = a2.view(-1, k)  # fold the batch into the rows

@@ -1,6 +1,6 @@
 """torch_pallas: Pallas kernels (JAX's kernel language) as PyTorch operators."""
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="torch_pallas",
@@ -16,8 +16,8 @@ setup(
         "torch_pallas",
         "torch_pallas.ops",
         "torch_pallas.kernels",
-        "torch_pallas.kernels.mosaic_gpu",
-        "torch_pallas.kernels.tpu",
+        # one subpackage per kernel family: mosaic_gpu, tpu, triton
+        *(f"torch_pallas.kernels.{family}" for family in find_packages("kernels")),
     ],
     package_dir={
         "torch_pallas": "torch_pallas",

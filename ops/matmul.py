@@ -12,11 +12,11 @@ The op reduces every call to one batched kernel call on 3-D operands
 - an operand broadcast along some batch dimensions but not all is
   materialised (one copy); so is one with any other layout.
 
-float32 products follow torch's float32 matmul precision: full float32 at
-'highest' (the default), TF32 allowed at 'high' and 'medium'. The Hopper
-kernel (mosaic_gpu) multiplies float32 only as TF32, so at 'highest' an
-automatic mosaic_gpu choice runs the Triton kernel instead, and an explicit
-one raises.
+float32 products follow torch's float32 matmul precision on CUDA: full
+float32 by default, TF32 where torch allows it (`float32_precision`). The Hopper
+kernel (mosaic_gpu) multiplies float32 only as TF32, so where torch asks
+for full float32 an automatic mosaic_gpu choice runs the Triton kernel
+instead, and an explicit one raises.
 """
 
 from __future__ import annotations
@@ -117,10 +117,17 @@ def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def float32_precision() -> str:
-    """How float32 products may be computed, as torch.matmul's are
-    (torch.set_float32_matmul_precision): "ieee", full float32, at torch's
-    default 'highest'; "tf32" where torch allows TF32 ('high', 'medium')."""
-    return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    """How float32 products may be computed, as torch.matmul's are on CUDA:
+    "ieee" (full float32, torch's default) or "tf32" where torch allows TF32,
+    through `torch.backends.cuda.matmul.fp32_precision` (or the global
+    `torch.backends.fp32_precision` it inherits) or the older
+    torch.set_float32_matmul_precision('high' / 'medium'), which sets it too."""
+    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if setting is None:  # a torch before the fp32_precision settings
+        return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    if setting == "none":  # inherits the global setting
+        setting = getattr(torch.backends, "fp32_precision", "none")
+    return "tf32" if setting == "tf32" else "ieee"
 
 
 def matmul_fake(a, b):

@@ -189,3 +189,21 @@ def test_autograd_paths_of_a_user_op():
     torch.testing.assert_close(y, x.detach() * 2)
     with pytest.raises(RuntimeError, match="usertest::times_two has no backward"):
         y.sum().backward()
+
+
+def test_keyword_only_arguments_reach_the_backward():
+    @torch_pallas.custom_op("usertest::scaled", backward=lambda g, x, scale: g * scale)
+    def scaled(x: torch.Tensor, *, scale: float = 2.0) -> torch.Tensor:
+        return x * scale
+
+    x = torch.randn(4, 3, requires_grad=True)
+    torch.ops.usertest.scaled(x, scale=3.0).sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((4, 3), 3.0))
+    x.grad = None
+    torch.ops.usertest.scaled(x).sum().backward()  # the default
+    torch.testing.assert_close(x.grad, torch.full((4, 3), 2.0))
+
+    with pytest.raises(TypeError, match="usertest::kw_tensor: tensor parameter 'w' is keyword-only"):
+        @torch_pallas.custom_op("usertest::kw_tensor")
+        def kw_tensor(x: torch.Tensor, *, w: torch.Tensor) -> torch.Tensor:
+            return x * w

@@ -112,12 +112,39 @@ def test_float32_precision_follows_torch(cpu_backend, float32_matmul_precision):
         check_matmul(random_tensor((37, 70), torch.float32), random_tensor((70, 29), torch.float32))
 
 
+def test_float32_precision_follows_torchs_newer_settings():
+    """torch.backends.cuda.matmul.fp32_precision, or the global
+    torch.backends.fp32_precision it inherits ('none'), after which torch's
+    older getter raises."""
+    cuda_before, global_before = (torch.backends.cuda.matmul.fp32_precision,
+                                  torch.backends.fp32_precision)
+    # PyTorch's test utilities (the OpInfo samples) freeze torch.backends.
+    mutable = getattr(torch.backends, "__allow_nonbracketed_mutation")
+    with mutable():
+        check_newer_settings(cuda_before, global_before)
+
+
+def check_newer_settings(cuda_before, global_before):
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        assert matmul_op.float32_precision() == "tf32"
+        check_matmul(random_tensor((9, 70), torch.float32), random_tensor((70, 5), torch.float32))
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        assert matmul_op.float32_precision() == "ieee"
+        torch.backends.cuda.matmul.fp32_precision = "none"
+        torch.backends.fp32_precision = "tf32"
+        assert matmul_op.float32_precision() == "tf32"
+    finally:
+        torch.backends.fp32_precision = global_before
+        torch.backends.cuda.matmul.fp32_precision = cuda_before
+
+
 def test_tensor_cores_refuse_full_float32_clearly(float32_matmul_precision):
     """mosaic_gpu multiplies float32 only as TF32: at 'highest' an automatic
     choice of it falls back to Triton, an explicit one raises, naming why."""
     avals = (((1, 8, 8), "float32"), ((1, 8, 8), "float32"))
     reason = mosaic_matmul.unsupported("mosaic_gpu", avals, {"precision": "ieee"})
-    assert "TF32" in reason and "'highest'" in reason
+    assert "TF32" in reason and "fp32_precision = 'tf32'" in reason
     assert mosaic_matmul.unsupported("mosaic_gpu", avals, {"precision": "tf32"}) is None
     assert mosaic_matmul.unsupported("mosaic_gpu_interpret", avals, {"precision": "ieee"}) is None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

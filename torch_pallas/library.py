@@ -110,7 +110,9 @@ def _autograd_kernel(op: torch._ops.OpOverload, backward: Callable | None,
         *args, (keyset, kwargs) = args_and_dispatch
         result = below_autograd(keyset, args, kwargs)
         if setup_context is not None:
-            setup_context(ctx=ctx, inputs=tuple(args), output=result)
+            # The dispatcher passes keyword-only arguments as kwargs.
+            extra = {"keyword_only_inputs": kwargs} if kwargs else {}
+            setup_context(ctx=ctx, inputs=tuple(args), output=result, **extra)
         return result
 
     def backward_(ctx, *grads):
@@ -154,6 +156,11 @@ class _Signature:
         for p in self.signature.parameters.values():
             if p.name == "interpret":
                 self.takes_interpret = True
+            elif p.annotation is torch.Tensor and p.kind is p.KEYWORD_ONLY:
+                raise TypeError(
+                    f"custom_op {name}: tensor parameter {p.name!r} is keyword-only; "
+                    "make it positional"
+                )
             elif p.annotation is torch.Tensor:
                 self.tensors.append(p.name)
             elif p.annotation in STATIC_TYPES:
@@ -368,9 +375,9 @@ def _uses_triton(device: torch.device) -> bool:
 
 
 def _save_inputs(sig: _Signature):
-    def setup_context(ctx, inputs, output):
+    def setup_context(ctx, inputs, output, keyword_only_inputs=None):
         # Every argument, defaults included (a call may omit them), in order.
-        bound = sig.op_signature().bind(*inputs)
+        bound = sig.op_signature().bind(*inputs, **(keyword_only_inputs or {}))
         bound.apply_defaults()
         ctx.arguments = list(bound.arguments.values())
         ctx.save_for_backward(*[a for a in ctx.arguments if isinstance(a, torch.Tensor)])

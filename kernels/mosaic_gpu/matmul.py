@@ -357,13 +357,13 @@ def matmul_warp_specialized(a, b, *, a_m_major: bool, b_k_major: bool,
 
 def unsupported(backend: str, avals, params) -> str | None:
     """Why this backend cannot run the call as torch asks, or None: float32
-    on the Tensor Cores is TF32, which torch allows only below its 'highest'
-    float32 matmul precision (the default)."""
+    on the Tensor Cores is TF32, which torch does not allow by default."""
     if backend == "mosaic_gpu" and params.get("precision") == "ieee":
         return (
             "multiplies float32 on Tensor Cores, where wgmma reads float32 only as "
-            "TF32, and torch's float32 matmul precision is 'highest' "
-            "(torch.set_float32_matmul_precision('high') allows TF32)"
+            "TF32, and torch asks for full float32 (allow TF32 with "
+            "torch.backends.cuda.matmul.fp32_precision = 'tf32' or "
+            "torch.set_float32_matmul_precision('high'))"
         )
     return None
 

@@ -68,6 +68,7 @@ MATMUL_SHAPES = [  # (batch of a, M, N, K, batch of b)
     (1, 128, 4096, 4096, 1),
     (4, 256, 384, 512, 1),
     (3, 200, 136, 72, 3),
+    (1, 200, 136, 72, 3),  # one A against a batch of B
 ]
 
 

@@ -102,12 +102,8 @@ def _dlpack_to_buffer():
 
     to_buffer = _jax.dlpack_managed_tensor_to_buffer
     if jaxlib_extension_version >= 467:
-        return functools.partial(_with_copy_argument, to_buffer)
+        return lambda capsule, device, stream, dl_type: to_buffer(capsule, device, stream, None, dl_type)
     return lambda capsule, device, stream, dl_type: to_buffer(capsule, device, stream, None)
-
-
-def _with_copy_argument(to_buffer, capsule, device, stream, dl_type):
-    return to_buffer(capsule, device, stream, None, dl_type)
 
 
 @functools.cache

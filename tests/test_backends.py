@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import backends
+from torch_pallas import backends, launch
 from helpers import CPU_BACKENDS
 
 
@@ -51,3 +51,33 @@ def test_gpu_backend_on_cpu_tensors_raises_naming_it(monkeypatch, name):
 def test_every_cpu_backend_serves_cpu_tensors():
     for name in CPU_BACKENDS:
         backends.check_serves(backends.get(name), torch.device("cpu"), "op")
+
+
+def test_a_repeated_call_follows_the_backend_chosen_now(monkeypatch):
+    """Repeated calls find their kernel by the call's signature; switching
+    the backend (context, environment) still switches the kernel."""
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    cpu = torch.device("cpu")
+    x, y = torch.randn(37), torch.randn(37)
+
+    def backend_of_call():
+        backend, _, _ = launch.compiled_kernel("add", cpu, (x, y), {"out_shape": (37,)})
+        torch.testing.assert_close(torch.ops.pallas.add(x, y), x + y)
+        return backend.name
+
+    assert backend_of_call() == "interpret"
+    with torch_pallas.backend("tpu_interpret"):
+        assert backend_of_call() == "tpu_interpret"
+    assert backend_of_call() == "interpret"
+    monkeypatch.setenv(backends.ENV_VAR, "mosaic_gpu_interpret")
+    assert backend_of_call() == "mosaic_gpu_interpret"
+
+
+def test_triton_on_cpu_is_refused_again_once_its_interpreter_is_off(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, y = torch.randn(9), torch.randn(9)
+    with torch_pallas.backend("triton"):
+        torch.testing.assert_close(torch.ops.pallas.add(x, y), x + y)
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(torch_pallas.BackendError, match="TRITON_INTERPRET"):
+            torch.ops.pallas.add(x, y)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,6 +51,31 @@ def test_awkward_layouts_cross_with_their_values(make):
     a = bridge.to_jax(t)
     assert tuple(a.shape) == tuple(t.shape)
     assert torch.equal(bridge.to_torch(a), t.detach())
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int8, torch.uint8, torch.bool],
+)
+def test_kernel_arguments_share_the_tensor_memory(dtype):
+    """CPU tensors reach kernels as NumPy views (bfloat16, which NumPy
+    lacks, as a JAX array through DLPack): no copy either way."""
+    t = (torch.randn(16, 40) * 50).to(dtype)
+    arg = bridge.to_kernel_argument(t)
+    if dtype == torch.bfloat16:
+        assert bridge.shares_memory(t, arg)
+    else:
+        assert arg.ctypes.data == t.data_ptr() and arg.dtype.name == str(dtype).split(".")[1]
+    assert tuple(arg.shape) == tuple(t.shape)
+    assert torch.equal(torch.as_tensor(np.asarray(arg, dtype=np.float32)), t.float())
+
+
+def test_export_waits_for_the_kernel_to_finish():
+    """A result large enough to run asynchronously reaches torch complete."""
+    x = torch.randn(1 << 22)
+    for _ in range(3):
+        out = torch.ops.pallas.add(x, x)
+        assert torch.equal(out, x + x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
@@ -106,7 +132,9 @@ def test_compile_cache_is_bounded_and_clearable():
         cache.get(i, lambda i=i: f"kernel {i}")
     assert len(cache) == 3 and cache.builds == 5
     assert cache.get(4, lambda: "rebuilt") == "kernel 4"
+    cache.remember("call", "resolved", 4)
+    assert cache.recall("call") == ("resolved", "kernel 4")
     cache.clear()
-    assert len(cache) == 0
+    assert len(cache) == 0 and cache.recall("call") is None
     torch_pallas.clear_cache()
     assert compile_cache.size() == 0

@@ -34,3 +34,26 @@ def test_opcheck_tensor_ops(cpu_backend, requires_grad):
 @pytest.mark.parametrize("name,op,args,kwargs", FACTORY_SAMPLES, ids=[s[0] for s in FACTORY_SAMPLES])
 def test_opcheck_factory_ops(cpu_backend, name, op, args, kwargs):
     torch.library.opcheck(op, args, kwargs)
+
+
+def test_dispatch_modes_see_every_call():
+    """Calls that need no gradient take a short cut past the dispatcher only
+    when nothing sits between autograd and the kernel: a
+    TorchDispatchMode (as used by FakeTensorMode, functionalization,
+    profilers) still sees the op and decides what runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recording(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, y = torch.randn(4, 6), torch.randn(6)
+    with Recording() as mode, torch.no_grad():
+        out = torch.ops.pallas.add(x, y)
+    assert "pallas.add.default" in mode.calls
+    torch.testing.assert_close(out, x + y)

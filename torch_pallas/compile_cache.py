@@ -2,8 +2,13 @@
 shapes and dtypes, op parameters, config): a repeated call never re-traces.
 
 Entries are ahead-of-time compiled JAX executables (or Triton launchers).
-The cache is bounded (past `MAX_ENTRIES` the oldest entries are dropped) and thread-safe: when several threads ask for a key at once,
-one builds it and the others wait for that build.
+The cache is bounded (past `MAX_ENTRIES` the oldest entries are dropped) and
+thread-safe: when several threads ask for a key at once, one builds it and
+the others wait for that build.
+
+A call first looks for its kernel under a cheaper key, the call's signature
+as torch sees it (`remember`/`recall`): what the full key is computed from
+(backend selection, JAX dtype names) then costs nothing on repeated calls.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ class CompileCache:
         self._lock = threading.Lock()
         self._building: dict[Hashable, threading.Lock] = {}
         self.builds = 0
+        # call signature -> (what the call resolved to, the entry's key)
+        self._resolved: dict[Hashable, tuple[Any, Hashable]] = {}
 
     def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
         entry = self._entries.get(key)
@@ -42,9 +49,27 @@ class CompileCache:
                     self._building.pop(key, None)
         return entry
 
+    def remember(self, signature: Hashable, resolved: Any, key: Hashable) -> None:
+        """Files the entry under `key` also under a call `signature` that
+        always resolves to it (with `resolved`, e.g. the backend chosen)."""
+        with self._lock:
+            if len(self._resolved) >= self.max_entries:
+                self._resolved.clear()
+            self._resolved[signature] = (resolved, key)
+
+    def recall(self, signature: Hashable) -> tuple[Any, Any] | None:
+        """(resolved, entry) filed under `signature`, if the entry is still
+        cached."""
+        found = self._resolved.get(signature)
+        if found is None:
+            return None
+        entry = self._entries.get(found[1])
+        return None if entry is None else (found[0], entry)
+
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._resolved.clear()
 
     def __len__(self) -> int:
         return len(self._entries)

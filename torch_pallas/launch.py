@@ -172,6 +172,13 @@ def compiled_kernel(
     returns JAX arrays (Triton kernels: torch tensors). `entry` is a user's
     JAX function standing in for kernels/<family>/<op>.py."""
     params = params or {}
+    # Everything the backend and the kernel follow from, as the call has it.
+    signature = (op, device, backends.requested(), _detect_races.get(), entry,
+                 tuple(params.items()), *[(t.shape, t.dtype) for t in inputs])
+    found = compile_cache.kernels.recall(signature)
+    if found is not None:
+        (backend, key), kernel = found
+        return backend, kernel, key
     name = qualified_name(op)
     backend = backends.select(device, name)
     avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in inputs)
@@ -186,6 +193,10 @@ def compiled_kernel(
     kernel = compile_cache.kernels.get(
         key, lambda: _build(op, backend, device, avals, params, detect_races, entry)
     )
+    # Triton on CPU tensors is chosen again per call: it is allowed only
+    # while TRITON_INTERPRET is set.
+    if not (backend.family == "triton" and device.type == "cpu"):
+        compile_cache.kernels.remember(signature, (backend, key), key)
     return backend, kernel, key
 
 
@@ -208,7 +219,7 @@ def launch(
     backend, kernel, key = compiled_kernel(op, device, inputs, params, entry)
     if backend.family == "triton":
         return kernel(*inputs)
-    arrays = [bridge.to_jax(t) for t in inputs]
+    arrays = [bridge.to_kernel_argument(t) for t in inputs]
     if not backend.simulated:
         return _to_torch(kernel(*arrays))
     with _simulator_lock:

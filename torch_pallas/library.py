@@ -75,9 +75,10 @@ def define(
     torch.library.register_fake(name, fake, lib=lib)
     # Dynamo must not trace into the kernel when an eager call happens inside
     # a compiled region (after a graph break): it is JAX code.
-    lib.impl(opname, torch._disable_dynamo(implementation), "CompositeExplicitAutograd")
-    lib.impl(opname, _autograd_kernel(packet.default, backward, setup_context), "Autograd",
-             with_keyset=True)
+    kernel = torch._disable_dynamo(implementation)
+    lib.impl(opname, kernel, "CompositeExplicitAutograd")
+    lib.impl(opname, _autograd_kernel(packet.default, kernel, backward, setup_context),
+             "Autograd", with_keyset=True)
     if compile_path is not None:
         decompose_to_triton_on_cuda(packet.default, compile_path, lib)
     return packet
@@ -94,12 +95,22 @@ def _library(namespace: str) -> torch.library.Library:
     return _libraries[namespace]
 
 
-def _autograd_kernel(op: torch._ops.OpOverload, backward: Callable | None,
-                     setup_context: Callable | None) -> Callable:
+# Dispatch key sets below autograd with nothing between autograd and a
+# device's kernel (no subclass or mode, no functionalization).
+_DEVICE_ONLY = frozenset(
+    torch._C.DispatchKeySet(key).raw_repr()
+    for key in (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+)
+
+
+def _autograd_kernel(op: torch._ops.OpOverload, device_kernel: Callable,
+                     backward: Callable | None, setup_context: Callable | None) -> Callable:
     """The op's Autograd kernel. A call that needs no gradient goes straight
-    below autograd; one that does runs through an autograd.Function calling
-    `setup_context` and `backward` as torch.library.register_autograd does
-    (same ctx, same needs_input_grad)."""
+    below autograd: to `device_kernel` (the op's CompositeExplicitAutograd
+    kernel) when the dispatcher would go nowhere else, saving a trip
+    through it; one that needs a gradient runs through an autograd.Function
+    calling `setup_context` and `backward` as torch.library.register_autograd
+    does (same ctx, same needs_input_grad)."""
     after_autograd = torch._C._after_autograd_keyset
 
     def below_autograd(keyset, args, kwargs):
@@ -132,6 +143,9 @@ def _autograd_kernel(op: torch._ops.OpOverload, backward: Callable | None,
     def kernel(keyset, *args, **kwargs):
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
             return function.apply(*args, (keyset, kwargs))
+        if (keyset & after_autograd).raw_repr() in _DEVICE_ONLY:
+            with torch._C._AutoDispatchBelowAutograd():
+                return device_kernel(*args, **kwargs)
         return below_autograd(keyset, args, kwargs)
 
     return kernel

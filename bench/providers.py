@@ -106,7 +106,8 @@ def prepare(provider: Provider, op: str, args: tuple, kwargs=None, kernel_inputs
     else:
         with torch_pallas.backend(provider.backend):
             _, kernel, _ = launch.compiled_kernel(op, DEVICE, kernel_inputs, kernel_params)
-        arrays = [bridge.to_jax(t) for t in kernel_inputs]
+        device = launch.input_device(kernel)
+        arrays = [bridge.to_jax(t, device) for t in kernel_inputs]
 
         def run():
             return kernel(*arrays).block_until_ready()

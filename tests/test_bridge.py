@@ -58,16 +58,29 @@ def test_awkward_layouts_cross_with_their_values(make):
     [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int8, torch.uint8, torch.bool],
 )
 def test_kernel_arguments_share_the_tensor_memory(dtype):
-    """CPU tensors reach kernels as NumPy views (bfloat16, which NumPy
-    lacks, as a JAX array through DLPack): no copy either way."""
+    """CPU tensors reach kernels as NumPy views, no copy (bfloat16 as
+    ml_dtypes' bfloat16, the NumPy dtype JAX uses)."""
     t = (torch.randn(16, 40) * 50).to(dtype)
     arg = bridge.to_kernel_argument(t)
-    if dtype == torch.bfloat16:
-        assert bridge.shares_memory(t, arg)
-    else:
-        assert arg.ctypes.data == t.data_ptr() and arg.dtype.name == str(dtype).split(".")[1]
+    assert arg.ctypes.data == t.data_ptr() and arg.dtype.name == str(dtype).split(".")[1]
     assert tuple(arg.shape) == tuple(t.shape)
     assert torch.equal(torch.as_tensor(np.asarray(arg, dtype=np.float32)), t.float())
+
+
+def test_small_cpu_kernels_run_on_the_synchronous_client():
+    """Kernels XLA estimates as small run on the package's synchronous CPU
+    client, large ones on JAX's own; both take tensors of every dtype."""
+    from torch_pallas import jax_env, launch
+
+    jax = jax_env.jax()
+    cpu = torch.device("cpu")
+    for n, synchronous in ((1000, True), (1 << 21, False)):
+        for dtype in (torch.float32, torch.bfloat16, torch.int32):
+            x, y = (torch.randn(n) * 100).to(dtype), (torch.randn(n) * 100).to(dtype)
+            _, kernel, _ = launch.compiled_kernel("add", cpu, (x, y), {"out_shape": (n,)})
+            on_jax_client = launch.input_device(kernel).client is jax.devices("cpu")[0].client
+            assert on_jax_client != synchronous, (n, dtype)
+            assert torch.equal(torch.ops.pallas.add(x, y), x + y)
 
 
 def test_export_waits_for_the_kernel_to_finish():

@@ -33,15 +33,18 @@ from torch_pallas import jax_env
 
 NARROWED_BY_JAX = frozenset({torch.float64, torch.int64, torch.complex128})
 CPU_DL_DEVICE = 1  # DLPack's kDLCPU
-NUMPY_VIEWABLE = frozenset(
-    {torch.float32, torch.float16, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
-)
 
 
-def to_jax(tensor: torch.Tensor):
+def to_jax(tensor: torch.Tensor, device=None):
     """A JAX array over the same memory as `tensor` (a copy only when the
-    layout or requires_grad forbids sharing)."""
-    return _importer()(shareable(tensor))
+    layout or requires_grad forbids sharing); `device`: the JAX CPU device
+    to import a CPU tensor to (default: JAX's own)."""
+    tensor = shareable(tensor)
+    if device is not None and tensor.device.type == "cpu":
+        return _dlpack_to_buffer()(
+            torch.utils.dlpack.to_dlpack(tensor), device, None, CPU_DL_DEVICE
+        )
+    return _importer()(tensor)
 
 
 def to_kernel_argument(tensor: torch.Tensor):
@@ -49,11 +52,21 @@ def to_kernel_argument(tensor: torch.Tensor):
     `to_jax`. A CPU tensor goes as a NumPy view: a compiled JAX function
     imports NumPy arguments in C++, for a third of a DLPack import's cost,
     and as DLPack does, without a copy when the data is 64-byte aligned (a
-    copy otherwise). bfloat16, which NumPy lacks, crosses through DLPack."""
+    copy otherwise), onto whichever CPU client the kernel was compiled for.
+    bfloat16, which NumPy lacks, is viewed as ml_dtypes' bfloat16 (JAX's)."""
     tensor = shareable(tensor)
-    if tensor.device.type == "cpu" and tensor.dtype in NUMPY_VIEWABLE:
-        return tensor.numpy()
-    return _importer()(tensor)
+    if tensor.device.type != "cpu":
+        return _importer()(tensor)
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(_numpy_bfloat16())
+    return tensor.numpy()
+
+
+@functools.cache
+def _numpy_bfloat16():
+    import ml_dtypes  # JAX's own dependency
+
+    return ml_dtypes.bfloat16
 
 
 def shareable(tensor: torch.Tensor) -> torch.Tensor:

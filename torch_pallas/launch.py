@@ -15,6 +15,7 @@ import contextvars
 import functools
 import importlib
 import inspect
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -142,10 +143,44 @@ def _build(op, backend, device, avals, params, detect_races, entry):
         )
         if hasattr(module, "compiler_options"):  # XLA options per shape
             options = module.compiler_options(backend.name, avals, params)
+    lowered = _lower(entry, avals, jax_device(device))
+    if backend.name == "interpret" and _runs_synchronously(lowered):
+        synchronous = jax_env.synchronous_cpu_device()
+        if synchronous is not None:
+            lowered = _lower(entry, avals, synchronous)
+    return _compile(lowered, options)
+
+
+def _lower(entry, avals, jax_device):
     jax = jax_env.jax()
-    sharding = jax.sharding.SingleDeviceSharding(jax_device(device))
-    shapes = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=sharding) for shape, dtype in avals]
-    return _compile(jax.jit(entry, out_shardings=sharding).lower(*shapes), options)
+    sharding = jax.sharding.SingleDeviceSharding(jax_device)
+    shapes = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=sharding)
+              for shape, dtype in avals]
+    return jax.jit(entry, out_shardings=sharding).lower(*shapes)
+
+
+# CPU kernels XLA estimates under both limits run on the calling thread
+# (jax_env.synchronous_cpu_device); measured on 2 cores, the wait for JAX's
+# worker thread costs more than it saves below about 256^3 float32 matmuls
+# (3.4e7 FLOPs: 250 vs 310 us a call) and 2^20-element adds (12 MiB moved).
+SYNCHRONOUS_MAX_FLOPS = 5e7
+SYNCHRONOUS_MAX_BYTES = 4 * 2**20
+
+
+def _runs_synchronously(lowered) -> bool:
+    try:
+        cost = lowered.cost_analysis() or {}
+    except Exception:  # no estimate: JAX's default
+        return False
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
+        cost = cost[0] if cost else {}
+    return (cost.get("flops", math.inf) < SYNCHRONOUS_MAX_FLOPS
+            and cost.get("bytes accessed", math.inf) < SYNCHRONOUS_MAX_BYTES)
+
+def input_device(kernel):
+    """The JAX device a compiled kernel takes its inputs on (None: no inputs)."""
+    shardings, _ = kernel.input_shardings
+    return next(iter(shardings[0].device_set)) if shardings else None
 
 
 def _compile(lowered, options: Mapping[str, Any]):

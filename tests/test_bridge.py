@@ -74,7 +74,7 @@ def test_small_cpu_kernels_run_on_the_synchronous_client():
 
     jax = jax_env.jax()
     cpu = torch.device("cpu")
-    for n, synchronous in ((1000, True), (1 << 21, False)):
+    for n, synchronous in ((1000, True), (1 << 22, False)):
         for dtype in (torch.float32, torch.bfloat16, torch.int32):
             x, y = (torch.randn(n) * 100).to(dtype), (torch.randn(n) * 100).to(dtype)
             _, kernel, _ = launch.compiled_kernel("add", cpu, (x, y), {"out_shape": (n,)})

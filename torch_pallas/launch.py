@@ -6,6 +6,8 @@ torch tensors and the op's static parameters. `launch` picks the backend
 it on the first call: the kernel module's entry point, its config for this
 backend, the backend's `interpret=` and core count), hands the tensors to JAX
 without copies, runs the kernel and hands the result back the same way.
+Small kernels on the `interpret` backend are compiled for a synchronous CPU
+client (`_runs_synchronously`), so a call never waits for a thread to wake.
 """
 
 from __future__ import annotations
@@ -159,23 +161,29 @@ def _lower(entry, avals, jax_device):
     return jax.jit(entry, out_shardings=sharding).lower(*shapes)
 
 
-# CPU kernels XLA estimates under both limits run on the calling thread
-# (jax_env.synchronous_cpu_device); measured on 2 cores, the wait for JAX's
-# worker thread costs more than it saves below about 256^3 float32 matmuls
-# (3.4e7 FLOPs: 250 vs 310 us a call) and 2^20-element adds (12 MiB moved).
-SYNCHRONOUS_MAX_FLOPS = 5e7
-SYNCHRONOUS_MAX_BYTES = 4 * 2**20
+# CPU kernels under both limits run on the calling thread
+# (jax_env.synchronous_cpu_device). Measured on 2 cores, whole op calls,
+# JAX's client -> synchronous: add 2^20 float32 (12 MiB moved) 510-565 ->
+# 430 us, fill 2^20 (4 MiB) 210-230 -> 195-205 us, matmul 384^3 (1.1e8
+# FLOPs) 705-745 -> 620 us, matmul 512^3 (2.7e8) even; past them JAX's
+# worker threads win: fill 2^22 (16 MiB) 500-550 -> 880-1265 us, add 2^22
+# (48 MiB) 1230-1350 -> 1220-1810 us.
+SYNCHRONOUS_MAX_FLOPS = 2e8  # XLA's estimate
+SYNCHRONOUS_MAX_BYTES = 16 * 2**20  # operands and results
 
 
 def _runs_synchronously(lowered) -> bool:
+    jax = jax_env.jax()
+    moved = sum(math.prod(a.shape) * jax.numpy.dtype(a.dtype).itemsize
+                for a in jax.tree.leaves((lowered.in_avals, lowered.out_info)))
     try:
         cost = lowered.cost_analysis() or {}
     except Exception:  # no estimate: JAX's default
         return False
     if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
         cost = cost[0] if cost else {}
-    return (cost.get("flops", math.inf) < SYNCHRONOUS_MAX_FLOPS
-            and cost.get("bytes accessed", math.inf) < SYNCHRONOUS_MAX_BYTES)
+    return cost.get("flops", math.inf) < SYNCHRONOUS_MAX_FLOPS and moved < SYNCHRONOUS_MAX_BYTES
+
 
 def input_device(kernel):
     """The JAX device a compiled kernel takes its inputs on (None: no inputs)."""

@@ -45,4 +45,9 @@ def size(op: str, name: str, value) -> None:
 
 
 def factory_device(device) -> torch.device:
-    return torch.device(device) if device is not None else torch.get_default_device()
+    """The device a factory op creates on: a CUDA device without an index is
+    the current one, as for torch's factories."""
+    device = torch.device(device) if device is not None else torch.get_default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

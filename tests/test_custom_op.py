@@ -207,3 +207,23 @@ def test_keyword_only_arguments_reach_the_backward():
         @torch_pallas.custom_op("usertest::kw_tensor")
         def kw_tensor(x: torch.Tensor, *, w: torch.Tensor) -> torch.Tensor:
             return x * w
+
+
+def test_a_kernel_registered_for_the_device_takes_over_with_and_without_grad():
+    """A torch.library kernel for the CPU key overrides the op's own, as the
+    dispatcher decides; calls needing no gradient take no short cut past it."""
+    @torch_pallas.custom_op("usertest::doubled")
+    def doubled(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    x = torch.randn(6)
+    torch.testing.assert_close(torch.ops.usertest.doubled(x), x * 2)
+    override = torch.library.Library("usertest", "IMPL")
+    try:
+        override.impl("doubled", lambda x: x * 3, "CPU")
+        with torch.no_grad():
+            torch.testing.assert_close(torch.ops.usertest.doubled(x), x * 3)
+        torch.testing.assert_close(torch.ops.usertest.doubled(x), x * 3)
+        torch.testing.assert_close(torch.ops.usertest.doubled(x.requires_grad_()), x * 3)
+    finally:
+        override._destroy()

@@ -72,3 +72,28 @@ def test_fill_wrapper_accepts_an_int_size():
 def test_fill_empty_and_device():
     out = torch.ops.pallas.fill((0, 4), 1.0, device="cpu")
     assert out.shape == (0, 4) and out.device.type == "cpu"
+
+
+def test_signed_zeros_and_nan_each_get_their_own_kernel():
+    """-0.0 == 0.0 and nan != nan: the compiled-kernel cache keys floats by
+    their bits, so neither shares nor misses a kernel wrongly."""
+    from torch_pallas import compile_cache
+
+    for first, second in ((0.0, -0.0), (-0.0, 0.0)):
+        torch_pallas.clear_cache()
+        assert torch.equal(torch.ops.pallas.fill((3,), first).signbit(), torch.full((3,), first).signbit())
+        assert torch.equal(torch.ops.pallas.fill((3,), second).signbit(), torch.full((3,), second).signbit())
+    torch.ops.pallas.fill((5,), float("nan"))
+    builds = compile_cache.kernels.builds
+    for _ in range(3):
+        assert torch.ops.pallas.fill((5,), float("nan")).isnan().all()
+    assert compile_cache.kernels.builds == builds
+
+
+def test_a_cuda_device_without_index_means_the_current_one(monkeypatch):
+    from torch_pallas.ops import checks
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert checks.factory_device("cuda") == torch.device("cuda", 3)
+    assert checks.factory_device("cuda:1") == torch.device("cuda", 1)
+    assert checks.factory_device("cpu") == torch.device("cpu")

@@ -148,8 +148,11 @@ def _build(op, backend, device, avals, params, detect_races, entry):
     lowered = _lower(entry, avals, jax_device(device))
     if backend.name == "interpret" and _runs_synchronously(lowered):
         synchronous = jax_env.synchronous_cpu_device()
-        if synchronous is not None:
-            lowered = _lower(entry, avals, synchronous)
+        try:
+            if synchronous is not None:
+                return _compile(_lower(entry, avals, synchronous), options)
+        except Exception:  # a JAX that cannot compile for a second client
+            pass
     return _compile(lowered, options)
 
 
@@ -203,6 +206,14 @@ def _compile(lowered, options: Mapping[str, Any]):
     return lowered.compile()
 
 
+def static_key(params: Mapping[str, Any]) -> tuple:
+    """The op's static parameters as a cache key. Floats are keyed by their
+    bits: -0.0 == 0.0 would share a kernel, and a NaN, unequal to itself,
+    would never find its own."""
+    return tuple((name, value.hex() if isinstance(value, float) else value)
+                 for name, value in params.items())
+
+
 def compiled_kernel(
     op: str,
     device: torch.device,
@@ -216,8 +227,9 @@ def compiled_kernel(
     JAX function standing in for kernels/<family>/<op>.py."""
     params = params or {}
     # Everything the backend and the kernel follow from, as the call has it.
-    signature = (op, device, backends.requested(), _detect_races.get(), entry,
-                 tuple(params.items()), *[(t.shape, t.dtype) for t in inputs])
+    static = static_key(params)
+    signature = (op, device, backends.requested(), _detect_races.get(), entry, static,
+                 *[(t.shape, t.dtype) for t in inputs])
     found = compile_cache.kernels.recall(signature)
     if found is not None:
         (backend, key), kernel = found
@@ -232,7 +244,7 @@ def compiled_kernel(
         if reason is not None:
             backend = backends.fall_back(device, name, backend, reason)
     detect_races = backend.simulated and _detect_races.get()
-    key = (op, backend.name, device, avals, tuple(params.items()), detect_races)
+    key = (op, backend.name, device, avals, static, detect_races)
     kernel = compile_cache.kernels.get(
         key, lambda: _build(op, backend, device, avals, params, detect_races, entry)
     )

@@ -96,22 +96,25 @@ def _library(namespace: str) -> torch.library.Library:
 
 
 # Dispatch key sets below autograd with nothing between autograd and a
-# device's kernel (no subclass or mode, no functionalization).
-_DEVICE_ONLY = frozenset(
-    torch._C.DispatchKeySet(key).raw_repr()
+# device's kernel (no subclass or mode, no functionalization), by device key.
+_DEVICE_ONLY = {
+    torch._C.DispatchKeySet(key).raw_repr(): key
     for key in (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
-)
+}
 
 
 def _autograd_kernel(op: torch._ops.OpOverload, device_kernel: Callable,
                      backward: Callable | None, setup_context: Callable | None) -> Callable:
     """The op's Autograd kernel. A call that needs no gradient goes straight
     below autograd: to `device_kernel` (the op's CompositeExplicitAutograd
-    kernel) when the dispatcher would go nowhere else, saving a trip
-    through it; one that needs a gradient runs through an autograd.Function
+    kernel) when the dispatcher would go nowhere else (no mode, subclass or
+    kernel registered for the device itself), saving a trip through it; one
+    that needs a gradient runs through an autograd.Function
     calling `setup_context` and `backward` as torch.library.register_autograd
     does (same ctx, same needs_input_grad)."""
     after_autograd = torch._C._after_autograd_keyset
+    has_kernel_for = torch._C._dispatch_has_kernel_for_dispatch_key
+    name = op.name()
 
     def below_autograd(keyset, args, kwargs):
         with torch._C._AutoDispatchBelowAutograd():
@@ -143,7 +146,8 @@ def _autograd_kernel(op: torch._ops.OpOverload, device_kernel: Callable,
     def kernel(keyset, *args, **kwargs):
         if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
             return function.apply(*args, (keyset, kwargs))
-        if (keyset & after_autograd).raw_repr() in _DEVICE_ONLY:
+        device_key = _DEVICE_ONLY.get((keyset & after_autograd).raw_repr())
+        if device_key is not None and not has_kernel_for(name, device_key):
             with torch._C._AutoDispatchBelowAutograd():
                 return device_kernel(*args, **kwargs)
         return below_autograd(keyset, args, kwargs)

@@ -51,6 +51,9 @@ def test_awkward_layouts_cross_with_their_values(make):
     a = bridge.to_jax(t)
     assert tuple(a.shape) == tuple(t.shape)
     assert torch.equal(bridge.to_torch(a), t.detach())
+    arg = bridge.to_kernel_argument(t)  # a NumPy view
+    assert torch.equal(torch.from_numpy(np.ascontiguousarray(arg)), t.detach())
+    torch.testing.assert_close(torch.ops.pallas.add(t, t), t.detach() * 2)
 
 
 @pytest.mark.parametrize(

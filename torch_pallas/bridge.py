@@ -10,7 +10,8 @@ DLPack cannot take directly is made acceptable first, never reinterpreted:
   contiguous (one copy; JAX rejects stride-0 and reorders the rest anyway);
 - a contiguous tensor whose size-1 dimensions carry unusual strides is
   re-viewed with row-major strides (no copy), since JAX would otherwise
-  import it with a non-default layout that compiled kernels refuse;
+  import it with a non-default layout that compiled kernels refuse (NumPy
+  views need no such care: NumPy's contiguity ignores those strides);
 - 64-bit dtypes are refused: JAX without x64 narrows them to 32 bits silently.
 
 Per call, the protocol's Python on both sides costs more than a small
@@ -39,7 +40,7 @@ def to_jax(tensor: torch.Tensor, device=None):
     """A JAX array over the same memory as `tensor` (a copy only when the
     layout or requires_grad forbids sharing); `device`: the JAX CPU device
     to import a CPU tensor to (default: JAX's own)."""
-    tensor = shareable(tensor)
+    tensor = row_major(shareable(tensor))
     if device is not None and tensor.device.type == "cpu":
         return _dlpack_to_buffer()(
             torch.utils.dlpack.to_dlpack(tensor), device, None, CPU_DL_DEVICE
@@ -56,7 +57,7 @@ def to_kernel_argument(tensor: torch.Tensor):
     bfloat16, which NumPy lacks, is viewed as ml_dtypes' bfloat16 (JAX's)."""
     tensor = shareable(tensor)
     if tensor.device.type != "cpu":
-        return _importer()(tensor)
+        return _importer()(row_major(tensor))
     if tensor.dtype == torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(_numpy_bfloat16())
     return tensor.numpy()
@@ -80,9 +81,14 @@ def shareable(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
     if not tensor.is_contiguous():
         tensor = tensor.contiguous()
+    return tensor
+
+
+def row_major(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous `tensor` viewed with row-major strides: contiguous
+    strides are row-major except along size-1 (and in empty) tensors, where
+    torch leaves them free."""
     shape = tensor.shape
-    # Contiguous strides are row-major except along size-1 (and in empty)
-    # tensors, where torch leaves them free.
     if 1 in shape or 0 in shape:
         strides = row_major_strides(shape)
         if tensor.stride() != strides:

@@ -37,11 +37,20 @@ def result_dtype(value, dtype: torch.dtype | None) -> torch.dtype:
 
 def kernel_value(value, dtype: torch.dtype):
     """`value` as the kernel writes it: converted the way torch.full converts
-    it (ints truncate), and checked to survive the 32-bit computation."""
+    it (ints truncate; a finite value past the dtype's range raises; 16-bit
+    floats are rounded through float32 first, as torch rounds a double), and
+    checked to survive the 32-bit computation."""
     if dtype.is_floating_point:
         value = float(value)
         if math.isnan(value):
             return math.nan  # one object, so compiled kernels are reused
+        info = torch.finfo(dtype)
+        if math.isfinite(value) and not info.min <= value <= info.max:
+            raise ValueError(
+                f"{OP}: value {value!r} cannot be converted to {dtype} without overflow"
+            )
+        if dtype in (torch.float16, torch.bfloat16):
+            value = float(torch.tensor(value, dtype=torch.float32))
         if dtype == torch.float64 and float(torch.tensor(value, dtype=torch.float32)) != value:
             raise ValueError(
                 f"{OP}: value {value!r} is not exactly representable in the float32 "

@@ -159,8 +159,10 @@ def _backward(ctx, grad):
     if ctx.needs_input_grad[1]:
         a_rows = a.reshape(a_mat)
         if len(b_mat) == 2:  # b has no batch: fold every batch into one product
+            rows = math.prod(grad.shape[:-1])  # not -1: K or N may be 0
             grad_b = torch.ops.pallas.matmul(
-                a_rows.reshape(-1, a_mat[-1]).mT, grad.reshape(-1, b_mat[-1])
+                a_rows.reshape(rows, a_mat[-1]).mT,
+                grad.reshape(rows, b_mat[-1]),
             )
         else:
             grad_b = torch.ops.pallas.matmul(a_rows.mT, grad).sum_to_size(b_mat)

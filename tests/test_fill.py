@@ -97,3 +97,27 @@ def test_a_cuda_device_without_index_means_the_current_one(monkeypatch):
     assert checks.factory_device("cuda") == torch.device("cuda", 3)
     assert checks.factory_device("cuda:1") == torch.device("cuda", 1)
     assert checks.factory_device("cpu") == torch.device("cpu")
+
+
+EDGE_VALUES = {
+    # A finite value past the dtype's range raises in torch (for sizes past
+    # one element: torch's one-element path skips the check); infinities
+    # and -0.0 are kept; 16-bit floats are rounded through float32 first.
+    torch.float32: [-0.0, 1e300, -3.5e38, float("-inf")],
+    torch.float16: [-0.0, 1 + 2**-11 + 2**-40, 65504.0, 65519.0, 2**31, 3e-8, float("inf")],
+    torch.bfloat16: [-0.0, 1 + 2**-8 + 2**-40, 3.38e38, 3.4e38, 70000.0, -1e300],
+}
+
+
+@pytest.mark.parametrize("dtype", list(EDGE_VALUES))
+def test_fill_edge_values_like_torch_full(cpu_backend, dtype):
+    for value in EDGE_VALUES[dtype]:
+        try:
+            expected = torch.full((2,), value, dtype=dtype)
+        except RuntimeError:
+            with pytest.raises(ValueError, match="pallas::fill: value .* without overflow"):
+                torch.ops.pallas.fill((2,), value, dtype=dtype)
+            continue
+        out = torch.ops.pallas.fill((2,), value, dtype=dtype)
+        assert torch.equal(out, expected), (value, out, expected)
+        assert torch.equal(out.signbit(), expected.signbit()), value

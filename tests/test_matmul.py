@@ -206,7 +206,13 @@ def test_matmul_gradients_match_torch():
     torch.testing.assert_close(gb, b.grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("a_shape,b_shape", SEMANTICS, ids=str)
+EMPTY_GRADIENTS = [  # K = 0 or N = 0, with and without a batch on b
+    ((4, 0), (0, 3)), ((0,), (0,)), ((0,), (0, 3)), ((4, 0), (0,)), ((2, 4, 0), (0, 3)),
+    ((4, 5), (5, 0)), ((2, 4, 5), (5, 0)), ((5,), (5, 0)), ((3, 2, 0), (3, 0, 4)),
+]
+
+
+@pytest.mark.parametrize("a_shape,b_shape", SEMANTICS + EMPTY_GRADIENTS, ids=str)
 def test_matmul_gradients_reduce_broadcast_dimensions(a_shape, b_shape):
     a = torch.randn(a_shape, requires_grad=True)
     b = torch.randn(b_shape, requires_grad=True)

@@ -3,6 +3,8 @@ the value passed at run time (no recompilation per value)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -17,9 +19,11 @@ default_config = block_config
 
 
 @triton.jit
-def fill_kernel(o_ptr, value, n, BLOCK: tl.constexpr):
+def fill_kernel(o_ptr, value, n, BLOCK: tl.constexpr, NEGATE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     values = tl.full((BLOCK,), value, o_ptr.dtype.element_ty)
+    if NEGATE:  # -0.0: Triton makes any zero scalar +0.0
+        values = -values
     tl.store(o_ptr + offs, values, mask=offs < n)
 
 
@@ -28,5 +32,8 @@ def fill(shape, value, dtype, *, config: BlockConfig, device, wrap=direct):
     dtype = getattr(torch, dtype)
     out = torch.empty(shape, dtype=interpreter_safe_dtype(dtype), device=device)
     n = out.numel()
-    wrap(fill_kernel)[(triton.cdiv(n, config.block),)](out, value, n, BLOCK=config.block)
+    negative_zero = isinstance(value, float) and value == 0 and math.copysign(1.0, value) < 0
+    wrap(fill_kernel)[(triton.cdiv(n, config.block),)](
+        out, 0.0 if negative_zero else value, n, BLOCK=config.block, NEGATE=negative_zero
+    )
     return out.to(dtype)

@@ -49,9 +49,10 @@ def kernel_value(value, dtype: torch.dtype):
             raise ValueError(
                 f"{OP}: value {value!r} cannot be converted to {dtype} without overflow"
             )
+        in_float32 = float(torch.tensor(value, dtype=torch.float32))
         if dtype in (torch.float16, torch.bfloat16):
-            value = float(torch.tensor(value, dtype=torch.float32))
-        if dtype == torch.float64 and float(torch.tensor(value, dtype=torch.float32)) != value:
+            value = in_float32
+        if dtype == torch.float64 and in_float32 != value:
             raise ValueError(
                 f"{OP}: value {value!r} is not exactly representable in the float32 "
                 "the kernel computes float64 results in; use dtype=torch.float32"

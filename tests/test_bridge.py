@@ -148,8 +148,8 @@ def test_compile_cache_is_bounded_and_clearable():
         cache.get(i, lambda i=i: f"kernel {i}")
     assert len(cache) == 3 and cache.builds == 5
     assert cache.get(4, lambda: "rebuilt") == "kernel 4"
-    cache.remember("call", "resolved", 4)
-    assert cache.recall("call") == ("resolved", "kernel 4")
+    cache.remember("call", 4, "resolved")
+    assert cache.recall("call") == (4, "resolved", "kernel 4")
     cache.clear()
     assert len(cache) == 0 and cache.recall("call") is None
     torch_pallas.clear_cache()

@@ -28,7 +28,7 @@ class CompileCache:
         self._lock = threading.Lock()
         self._building: dict[Hashable, threading.Lock] = {}
         self.builds = 0
-        # call signature -> (what the call resolved to, the entry's key)
+        # call signature -> (the entry's key, what the call resolved to)
         self._resolved: dict[Hashable, tuple[Any, Hashable]] = {}
 
     def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
@@ -49,22 +49,22 @@ class CompileCache:
                     self._building.pop(key, None)
         return entry
 
-    def remember(self, signature: Hashable, resolved: Any, key: Hashable) -> None:
+    def remember(self, signature: Hashable, key: Hashable, resolved: Any = None) -> None:
         """Files the entry under `key` also under a call `signature` that
         always resolves to it (with `resolved`, e.g. the backend chosen)."""
         with self._lock:
             if len(self._resolved) >= self.max_entries:
                 self._resolved.clear()
-            self._resolved[signature] = (resolved, key)
+            self._resolved[signature] = (key, resolved)
 
-    def recall(self, signature: Hashable) -> tuple[Any, Any] | None:
-        """(resolved, entry) filed under `signature`, if the entry is still
-        cached."""
+    def recall(self, signature: Hashable) -> tuple[Hashable, Any, Any] | None:
+        """(key, resolved, entry) filed under `signature`, if the entry is
+        still cached."""
         found = self._resolved.get(signature)
         if found is None:
             return None
-        entry = self._entries.get(found[1])
-        return None if entry is None else (found[0], entry)
+        entry = self._entries.get(found[0])
+        return None if entry is None else (*found, entry)
 
     def clear(self) -> None:
         with self._lock:

@@ -1,11 +1,12 @@
-"""One op call on its backend: select, compile once, cross DLPack, run.
+"""One op call on its backend: select, compile once, cross to JAX, run.
 
 An op file (ops/*.py) checks its arguments, then calls `launch` with the
 torch tensors and the op's static parameters. `launch` picks the backend
 (torch_pallas.backends), fetches the compiled kernel from the cache (building
 it on the first call: the kernel module's entry point, its config for this
 backend, the backend's `interpret=` and core count), hands the tensors to JAX
-without copies, runs the kernel and hands the result back the same way.
+without copies (CPU tensors as NumPy views, CUDA ones through DLPack), runs
+the kernel and hands the result back through DLPack.
 Small kernels on the `interpret` backend are compiled for a synchronous CPU
 client (`_runs_synchronously`), so a call never waits for a thread to wake.
 """
@@ -232,7 +233,7 @@ def compiled_kernel(
                  *[(t.shape, t.dtype) for t in inputs])
     found = compile_cache.kernels.recall(signature)
     if found is not None:
-        (backend, key), kernel = found
+        key, backend, kernel = found
         return backend, kernel, key
     name = qualified_name(op)
     backend = backends.select(device, name)
@@ -251,7 +252,7 @@ def compiled_kernel(
     # Triton on CPU tensors is chosen again per call: it is allowed only
     # while TRITON_INTERPRET is set.
     if not (backend.family == "triton" and device.type == "cpu"):
-        compile_cache.kernels.remember(signature, (backend, key), key)
+        compile_cache.kernels.remember(signature, key, backend)
     return backend, kernel, key
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import record
-from providers import DEVICE, SMOKE, prepare, providers
+from providers import DEVICE, SMOKE, prepare, providers, synchronize
 from torch_pallas import references
 from torch_pallas.ops.matmul import float32_precision
 
@@ -49,4 +49,38 @@ def test_matmul(benchmark, provider, shape, dtype):
         err = (out.cpu().double().reshape(ref.shape) - ref).abs()
         assert (err <= references.matmul_error_bound(a.cpu(), b.cpu(), ref)).all()
     record(benchmark, provider, op="matmul", dtype=dtype, shape=shape,
+           work=2.0 * m * n * k, unit="GFLOP/s")
+
+
+# One MLP step, gelu(x @ w): the matmul starts right after a parallel torch
+# op, as it does inside a model. On CPU this shows torch's OpenMP workers
+# competing with a large kernel (README: "Mixing with torch's CPU ops");
+# run it with and without OMP_WAIT_POLICY=PASSIVE to compare.
+STEP_SHAPES = SHAPES if SMOKE else [(n, n, n) for n in ((512, 1024) if DEVICE.type == "cpu" else (4096,))]
+STEP_CASES = [(p, shape) for p in providers() if p.kind != "jax" and not p.simulated
+              for shape in STEP_SHAPES]
+GELU_SLOPE = 1.13  # max |gelu'|: an error in its input grows at most this much
+
+
+@pytest.mark.parametrize("provider,shape", STEP_CASES,
+                         ids=[f"{p.name}-{'x'.join(map(str, s))}" for p, s in STEP_CASES])
+def test_matmul_then_gelu(benchmark, provider, shape):
+    m, k, n = shape
+    dtype = DTYPES[0]
+    x = torch.randn(m, k, device=DEVICE, dtype=dtype)
+    w = torch.randn(k, n, device=DEVICE, dtype=dtype) / k**0.5
+    matmul = prepare(provider, "matmul", (x, w))
+
+    def step():
+        out = torch.nn.functional.gelu(matmul())
+        synchronize()
+        return out
+
+    benchmark.group = f"matmul_gelu {m}x{k}x{n} {str(dtype).removeprefix('torch.')}"
+    out = benchmark(step)
+    ref = references.matmul(x.cpu(), w.cpu())
+    bound = GELU_SLOPE * references.matmul_error_bound(x.cpu(), w.cpu(), ref)
+    err = (out.cpu().double() - torch.nn.functional.gelu(ref)).abs()
+    assert (err <= bound + 4 * torch.finfo(dtype).eps * ref.abs()).all()
+    record(benchmark, provider, op="matmul_gelu", dtype=dtype, shape=shape,
            work=2.0 * m * n * k, unit="GFLOP/s")

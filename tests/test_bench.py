@@ -26,7 +26,7 @@ def test_bench_suites_smoke_json_and_plots(tmp_path):
     )
     benchmarks = json.loads(out.read_text())["benchmarks"]
     ops = {b["extra_info"]["op"] for b in benchmarks}
-    assert ops == {"matmul", "add", "fill", "iota"}
+    assert ops == {"matmul", "matmul_gelu", "add", "fill", "iota"}
     for b in benchmarks:
         info = b["extra_info"]
         if b["group"].startswith("add-overhead"):
@@ -39,7 +39,8 @@ def test_bench_suites_smoke_json_and_plots(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "bench" / "plot.py"), str(out), "--out", str(plots)],
                    check=True, capture_output=True)
     assert sorted(p.name for p in plots.glob("*.png")) == [
-        "add_float32.png", "fill_float32.png", "iota_int32.png", "matmul_float32.png"
+        "add_float32.png", "fill_float32.png", "iota_int32.png", "matmul_float32.png",
+        "matmul_gelu_float32.png",
     ]
 
 

@@ -46,3 +46,21 @@ def test_a_wheel_carries_every_module(tmp_path):
         if top in ("torch_pallas", "ops", "kernels")
     }
     assert expected and expected <= shipped, sorted(expected - shipped)
+
+
+def test_environment_report_names_the_openmp_wait_policy(monkeypatch):
+    import torch
+
+    from torch_pallas.__main__ import cpu_threads
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert cpu_threads() == (
+        "cpu threads: torch 2, OMP_WAIT_POLICY=unset (PASSIVE speeds up large CPU kernels "
+        "that follow parallel torch ops; set it before Python starts)"
+    )
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert cpu_threads() == "cpu threads: torch 2, OMP_WAIT_POLICY=PASSIVE"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert cpu_threads() == "cpu threads: torch 1, OMP_WAIT_POLICY=unset"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import platform
 import sys
 import time
@@ -43,10 +44,22 @@ def report_environment(device: torch.device) -> None:
     else:
         print("  torch devices: cpu (no CUDA)")
     print(f"  jax devices: {', '.join(str(d) for d in jax_env.jax().devices())}")
+    print(f"  {cpu_threads()}")
     requested = backends.requested()
     print(f"default device: {device}; backend: "
           f"{backends.default_for(device).name}"
           + (f" (requested: {requested})" if requested else ""))
+
+
+def cpu_threads() -> str:
+    """torch's CPU threads and how its OpenMP workers wait (README,
+    "Mixing with torch's CPU ops")."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    line = f"cpu threads: torch {torch.get_num_threads()}, OMP_WAIT_POLICY={policy or 'unset'}"
+    if policy is None and torch.get_num_threads() > 1:
+        line += (" (PASSIVE speeds up large CPU kernels that follow parallel torch ops;"
+                 " set it before Python starts)")
+    return line
 
 
 def check_op(op: str, device: torch.device) -> tuple[float, bool]:

@@ -227,3 +227,79 @@ def test_a_kernel_registered_for_the_device_takes_over_with_and_without_grad():
         torch.testing.assert_close(torch.ops.usertest.doubled(x.requires_grad_()), x * 3)
     finally:
         override._destroy()
+
+
+def test_static_and_interpret_parameters_may_come_before_the_tensors():
+    @torch_pallas.custom_op("usertest::scale_first")
+    def scale_first(scale: float, interpret, x: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        def kernel(x_ref, o_ref):
+            o_ref[...] = x_ref[...] * scale + shift
+
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              interpret=interpret)(x)
+
+    x = torch.randn(5, 33)
+    torch.testing.assert_close(torch.ops.usertest.scale_first(2.5, x), x * 2.5)
+    torch.testing.assert_close(torch.ops.usertest.scale_first(0.5, x, shift=3), x * 0.5 + 3)
+    compiled = torch.compile(lambda x: torch.ops.usertest.scale_first(1.5, x) - 1, fullgraph=True)
+    torch.testing.assert_close(compiled(x), x * 1.5 - 1)
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_output_sizes_computed_from_input_sizes_under_compile(dynamic):
+    @torch_pallas.custom_op(f"usertest::flat_twice_{'dynamic' if dynamic else 'automatic'}")
+    def flat_twice(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.reshape(-1), jnp.concatenate([x, x])[1:]
+
+    compiled = torch.compile(lambda x: [y * 2 for y in flat_twice(x)], fullgraph=True,
+                             dynamic=dynamic)
+    torch._dynamo.reset()
+    for rows in (4, 6, 9):  # the output sizes are 3n and 2n - 1, which no input size is
+        x = torch.randn(rows, 3)
+        flat, doubled = compiled(x)
+        torch.testing.assert_close(flat, x.reshape(-1) * 2)
+        torch.testing.assert_close(doubled, torch.cat([x, x])[1:] * 2)
+
+
+def test_an_int_parameter_torch_compile_makes_symbolic():
+    @torch_pallas.custom_op("usertest::tile")
+    def tile(x: torch.Tensor, n: int) -> torch.Tensor:
+        return jnp.tile(x, n)
+
+    x = torch.randn(7)
+    compiled = torch.compile(lambda x, n: torch.ops.usertest.tile(x, n) * 2, fullgraph=True)
+    torch._dynamo.reset()
+    for n in (2, 3, 5):  # from the second value on, Dynamo passes n as a SymInt
+        torch.testing.assert_close(compiled(x, n), x.repeat(n) * 2)
+    by_size = torch.compile(lambda x: torch.ops.usertest.tile(x, x.shape[0]), dynamic=True,
+                            fullgraph=True)
+    for size in (3, 4):
+        y = torch.randn(size)
+        torch.testing.assert_close(by_size(y), y.repeat(size))
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python 3.11")
+def test_errors_from_tracing_the_jax_function_name_the_op_and_inputs():
+    @torch_pallas.custom_op("usertest::bad_shapes")
+    def bad_shapes(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+    x, y = torch.randn(8, 16), torch.randn(8, 15)
+    with pytest.raises(TypeError, match="incompatible shapes") as eager:
+        torch.ops.usertest.bad_shapes(x, y)
+    assert any("usertest::bad_shapes" in n and "(8, 15)" in n for n in eager.value.__notes__)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode, pytest.raises(TypeError, match="incompatible shapes") as fake:
+        torch.ops.usertest.bad_shapes(mode.from_tensor(x), mode.from_tensor(y))
+    assert any("usertest::bad_shapes: tracing" in n for n in fake.value.__notes__)
+
+
+def test_a_backward_returning_the_wrong_number_of_gradients_names_the_op():
+    @torch_pallas.custom_op("usertest::bad_backward", backward=lambda g, x, w: g)
+    def bad_backward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    out = torch.ops.usertest.bad_backward(torch.randn(3, requires_grad=True), torch.randn(3))
+    with pytest.raises(TypeError, match="usertest::bad_backward: the backward must return 2"):
+        out.sum().backward()

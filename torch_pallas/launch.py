@@ -146,7 +146,12 @@ def _build(op, backend, device, avals, params, detect_races, entry):
         )
         if hasattr(module, "compiler_options"):  # XLA options per shape
             options = module.compiler_options(backend.name, avals, params)
-    lowered = _lower(entry, avals, jax_device(device))
+    try:
+        lowered = _lower(entry, avals, jax_device(device))
+    except Exception as e:
+        add_note(e, f"{qualified_name(op)}: building its {backend.name!r} kernel for inputs "
+                    f"{list(avals)} and parameters {dict(params)}")
+        raise
     if backend.name == "interpret" and _runs_synchronously(lowered):
         synchronous = jax_env.synchronous_cpu_device()
         try:
@@ -155,6 +160,12 @@ def _build(op, backend, device, avals, params, detect_races, entry):
         except Exception:  # a JAX that cannot compile for a second client
             pass
     return _compile(lowered, options)
+
+
+def add_note(error: BaseException, note: str) -> None:
+    """Adds `note` to `error`'s message (Python 3.11+; earlier ones go without)."""
+    if hasattr(error, "add_note"):
+        error.add_note(note)
 
 
 def _lower(entry, avals, jax_device):

@@ -38,7 +38,7 @@ import torch
 
 from torch_pallas import dtypes, jax_env
 from torch_pallas.compile_path import decompose_to_triton_on_cuda
-from torch_pallas.launch import launch
+from torch_pallas.launch import add_note, launch
 
 STATIC_TYPES = (int, float, bool)
 
@@ -235,16 +235,22 @@ def _check_tensors(name: str, sig: _Signature, tensors) -> torch.device:
 
 @functools.lru_cache(maxsize=256)
 def _output_types(name: str, fn: Callable, outputs, avals: tuple, statics: tuple):
-    """[(shape, torch dtype)] of the function's outputs, by jax.eval_shape."""
+    """[(shape, torch dtype)] of the outputs of `fn` (an op's `_kernel_entry`),
+    by jax.eval_shape."""
     jax = jax_env.jax()
     jax_env.simulate_tpu_on_cpu()
     kwargs = dict(statics)
     if "interpret" in inspect.signature(fn).parameters:
         kwargs["interpret"] = True
     structs = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype)) for shape, dtype in avals]
-    result = jax.eval_shape(functools.partial(fn, **kwargs), *structs)
+    try:
+        result = jax.eval_shape(functools.partial(fn, **kwargs), *structs)
+    except Exception as e:
+        add_note(e, f"{name}: tracing the JAX function for inputs {list(avals)} "
+                    f"and parameters {dict(statics)}")
+        raise
     return [(tuple(leaf.shape), _TORCH_DTYPES[str(leaf.dtype)])
-            for leaf in _checked_outputs(name, outputs, result)]
+            for leaf in ([result] if outputs is None else result)]
 
 
 def _checked_outputs(name: str, outputs, result) -> list:
@@ -266,16 +272,18 @@ def _checked_outputs(name: str, outputs, result) -> list:
     return leaves
 
 
-def _checking_outputs(name: str, fn: Callable, outputs) -> Callable:
-    """`fn`, checking its outputs while it is traced (once per compiled
-    kernel, not per call)."""
+def _kernel_entry(sig: _Signature, fn: Callable) -> Callable:
+    """`fn` as launch and eval_shape call it: its tensor parameters (JAX
+    arrays) by position, in the signature's order, everything else by name,
+    wherever the function declares them; its outputs checked while it is
+    traced (once per compiled kernel, not per call)."""
     @functools.wraps(fn)  # keeps the signature: `interpret` stays visible
-    def checked(*args, **kwargs):
-        result = fn(*args, **kwargs)
-        _checked_outputs(name, outputs, result)
+    def entry(*arrays, **kwargs):
+        result = fn(**dict(zip(sig.tensors, arrays)), **kwargs)
+        _checked_outputs(sig.name, sig.outputs, result)
         return result
 
-    return checked
+    return entry
 
 
 _TORCH_DTYPES = {name: dtype for dtype, name in dtypes.JAX_NAMES.items()}
@@ -286,7 +294,9 @@ def _symbolic_output_shapes(name, fn, tensors, statics, outputs):
     dimension is the input dimension (symbol) it follows, found by
     evaluating the shapes at the size hints and again with every symbol
     scaled by its own factor; a dimension that follows no symbol is a
-    constant. If the scaled sizes do not trace, sizes are specialised."""
+    constant. Where that cannot describe a size (the scaled sizes do not
+    trace, or an output size moved without following one symbol), the sizes
+    are specialised: the graph is guarded on them."""
     def concrete(d):
         if isinstance(d, torch.SymInt):
             hint = d.node.hint
@@ -309,18 +319,22 @@ def _symbolic_output_shapes(name, fn, tensors, statics, outputs):
               for d, d2 in zip(t.shape, h))
         for t, h in zip(tensors, hints)
     ]
+    def specialised():
+        for sym, _, _ in symbols.values():
+            int(sym)  # guards the compiled graph on this size
+        return base
+
     try:
         moved = _output_types(name, fn, outputs, tuple(zip(scaled, dtypes_)), statics_key)
-    except Exception:  # sizes the kernel cannot take: specialise
-        for t in tensors:
-            for d in t.shape:
-                int(d)
-        return base
+    except Exception:  # sizes the kernel cannot take
+        return specialised()
     result = []
     for (shape, dtype), (shape2, _) in zip(base, moved):
         dims = []
         for d, d2 in zip(shape, shape2):
             match = [s for s, hint, f in symbols.values() if d == hint and d2 == hint * f]
+            if not match and d != d2:  # a size computed from the inputs' (2n, n - 1, ...)
+                return specialised()
             dims.append(match[0] if match else d)
         result.append((tuple(dims), dtype))
     return result
@@ -353,7 +367,7 @@ def custom_op(
         return functools.partial(custom_op, name, backward=backward, triton=triton)
     sig = _Signature(name, fn)
     single = sig.outputs is None
-    entry = _checking_outputs(name, fn, sig.outputs)
+    entry = _kernel_entry(sig, fn)
 
     def implementation(*args, **kwargs):
         tensors, statics = sig.split(args, kwargs)
@@ -366,7 +380,10 @@ def custom_op(
     def fake(*args, **kwargs):
         tensors, statics = sig.split(args, kwargs)
         device = _check_tensors(name, sig, tensors)
-        types = _symbolic_output_shapes(name, fn, tensors, statics, sig.outputs)
+        # An int torch.compile made symbolic is specialised (guarded): static
+        # values are part of the kernel's identity.
+        statics = {n: _concrete(v) for n, v in statics.items()}
+        types = _symbolic_output_shapes(name, entry, tensors, statics, sig.outputs)
         outs = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in types)
         return outs[0] if single else outs
 
@@ -384,6 +401,16 @@ def custom_op(
 
     return define(name, implementation, fake=fake, schema=schema, compile_path=compile_path,
                   **autograd)
+
+
+def _concrete(value):
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    if isinstance(value, torch.SymFloat):
+        return float(value)
+    if isinstance(value, torch.SymBool):
+        return bool(value)
+    return value
 
 
 def _uses_triton(device: torch.device) -> bool:
@@ -411,7 +438,7 @@ def _backward_for(sig: _Signature, backward: Callable):
         result = result if isinstance(result, (tuple, list)) else (result,)
         if len(result) != len(sig.tensors):
             raise TypeError(
-                f"the backward of this op must return {len(sig.tensors)} gradients "
+                f"{sig.name}: the backward must return {len(sig.tensors)} gradients "
                 f"(one per tensor parameter), got {len(result)}"
             )
         grads_by_name = dict(zip(sig.tensors, result))

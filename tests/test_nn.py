@@ -131,3 +131,58 @@ def test_linear_under_autocast_matches_torch():
         out, expected = pallas(x), layer(x)
     assert out.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+def pallas_matmuls(fn) -> int:
+    """How many pallas::matmul calls `fn()` makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.pallas.matmul.default:
+                Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.calls
+
+
+def test_replace_linear_keeps_parametrizations():
+    from torch.nn.utils import parametrizations, parametrize
+
+    reference = parametrizations.weight_norm(nn.Linear(9, 5))
+    model = copy.deepcopy(reference)
+    assert replace_linear(model) is model and isinstance(model, Linear)
+    x = torch.randn(4, 9)
+    assert pallas_matmuls(lambda: model(x)) == 1
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+    parametrize.remove_parametrizations(model, "weight")
+    assert type(model) is Linear
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+def test_replace_linear_makes_a_lazy_linear_pallas_once_it_materialises():
+    model = replace_linear(nn.Sequential(nn.LazyLinear(6), nn.Tanh()))
+    x = torch.randn(3, 11)
+    model(x)  # materialises (torch computes this first call)
+    assert type(model[0]) is Linear and model[0].in_features == 11
+    assert pallas_matmuls(lambda: model(x)) == 1
+    torch.testing.assert_close(model(x), torch.tanh(x @ model[0].weight.T + model[0].bias))
+
+
+def test_replace_linear_leaves_subclasses_alone():
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    attention = nn.MultiheadAttention(8, 2)
+    model = replace_linear(nn.Sequential(Scaled(3, 3), attention))
+    assert type(model[0]) is Scaled
+    assert type(attention.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any, get_args, get_origin
@@ -374,6 +375,14 @@ def custom_op(
         device = _check_tensors(name, sig, tensors)
         if triton is not None and _uses_triton(device):
             return triton(*args, **kwargs)
+        if any(t.numel() == 0 for t in tensors):
+            # Kernels rarely take empty blocks (a Pallas grid of 0 divides by
+            # it); when every output is empty too there is nothing to run.
+            avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in tensors)
+            types = _output_types(name, entry, sig.outputs, avals, tuple(statics.items()))
+            if all(math.prod(shape) == 0 for shape, _ in types):
+                outs = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in types)
+                return outs[0] if single else outs
         outs = launch(name, device, tuple(tensors), statics, entry=entry)
         return outs if single or isinstance(outs, tuple) else (outs,)
 

@@ -22,7 +22,9 @@ def broadcast_shape(x: torch.Tensor, y: torch.Tensor) -> torch.Size:
     checks.same_dtype(OP, x, y)
     checks.dtype_in(OP, "x", x.dtype, DTYPES)
     checks.same_device(OP, x, y)
-    if x.shape == y.shape:
+    # Ranks first: comparing shapes of different ranks item by item would
+    # guard a compiled graph on a symbolic size (s0 == 6) for nothing.
+    if x.dim() == y.dim() and x.shape == y.shape:
         return x.shape
     try:
         return torch.broadcast_shapes(x.shape, y.shape)
@@ -57,7 +59,16 @@ def _backward(ctx, grad):
     return grad_x, grad_y
 
 
+def _jvp(inputs, tangents):
+    # The tangent of x + y: tx + ty, each broadcast to the output's shape.
+    shape = broadcast_shape(*inputs)
+    tx, ty = tangents
+    if tx is not None and ty is not None:
+        return torch.ops.pallas.add(tx, ty)
+    return torch.broadcast_to(tx if tx is not None else ty, shape).contiguous()
+
+
 add = library.define(
     OP, add_implementation, fake=add_fake, backward=_backward, setup_context=_setup_context,
-    compile_path=add_implementation,
+    jvp=_jvp, compile_path=add_implementation,
 )

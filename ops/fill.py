@@ -22,15 +22,17 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64
 
 def result_dtype(value, dtype: torch.dtype | None) -> torch.dtype:
     """The output dtype, after checking `value` and `dtype`."""
-    if isinstance(value, complex) or not isinstance(value, (bool, int, float)):
+    # Symbolic values (torch.compile) default like the numbers they stand for.
+    if isinstance(value, (bool, torch.SymBool)):
+        default = torch.bool
+    elif isinstance(value, (int, torch.SymInt)):
+        default = torch.int64
+    elif isinstance(value, (float, torch.SymFloat)):
+        default = torch.get_default_dtype()
+    else:
         raise TypeError(f"{OP}: value must be a real number, got {value!r}")
     if dtype is None:
-        if isinstance(value, bool):
-            dtype = torch.bool
-        elif isinstance(value, int):
-            dtype = torch.int64
-        else:
-            dtype = torch.get_default_dtype()
+        dtype = default
     checks.dtype_in(OP, "dtype", dtype, DTYPES)
     return dtype
 
@@ -78,7 +80,7 @@ def fill_implementation(size, value, *, dtype=None, device=None):
     dtype = result_dtype(value, dtype)
     device = checks.factory_device(device)
     value = kernel_value(value, dtype)
-    if math.prod(size) == 0:
+    if math.prod(size) == 0 or device.type == "meta":
         return torch.empty(size, dtype=dtype, device=device)
     kernel_dtype = dtypes.COMPUTED_IN_32_BITS.get(dtype, dtype)
     out = launch(

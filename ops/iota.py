@@ -33,8 +33,8 @@ def _check(n, dtype) -> torch.dtype:
 def iota_implementation(n, *, dtype=None, device=None):
     dtype = _check(n, dtype)
     device = checks.factory_device(device)
-    if n == 0:
-        return torch.empty((0,), dtype=dtype, device=device)
+    if n == 0 or device.type == "meta":
+        return torch.empty((n,), dtype=dtype, device=device)
     # 64-bit results: count in int32 (exact below 2**31), widen afterwards.
     kernel_dtype = torch.int32 if dtype in dtypes.COMPUTED_IN_32_BITS else dtype
     out = launch("iota", device, params={"n": n, "dtype": dtypes.jax_name(kernel_dtype)})

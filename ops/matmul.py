@@ -170,9 +170,16 @@ def _backward(ctx, grad):
     return grad_a, grad_b
 
 
+def _jvp(inputs, tangents):
+    """The tangent of a @ b: ta @ b + a @ tb."""
+    (a, b), (ta, tb) = inputs, tangents
+    parts = [torch.ops.pallas.matmul(x, y) for x, y in ((ta, b), (a, tb)) if None not in (x, y)]
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
 matmul = library.define(
     OP, matmul_implementation, fake=matmul_fake, backward=_backward,
-    setup_context=_setup_context, compile_path=matmul_implementation,
+    setup_context=_setup_context, jvp=_jvp, compile_path=matmul_implementation,
 )
 
 

@@ -306,7 +306,7 @@ def test_a_backward_returning_the_wrong_number_of_gradients_names_the_op():
 
 
 def test_empty_inputs_with_empty_outputs_run_no_kernel():
-    @torch_pallas.custom_op("usertest::doubled")
+    @torch_pallas.custom_op("usertest::doubled_or_empty")
     def doubled(x: torch.Tensor, interpret=None) -> torch.Tensor:
         def kernel(x_ref, o_ref):
             o_ref[...] = x_ref[...] * 2
@@ -314,13 +314,13 @@ def test_empty_inputs_with_empty_outputs_run_no_kernel():
         return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
                               interpret=interpret)(x)
 
-    @torch_pallas.custom_op("usertest::count")
+    @torch_pallas.custom_op("usertest::count_elements")
     def count(x: torch.Tensor) -> torch.Tensor:  # an empty input, a non-empty output
         return jnp.full((1,), x.size, jnp.int32)
 
     for shape in [(0, 16), (3, 0), (0,)]:
-        out = torch.ops.usertest.doubled(torch.randn(shape))
+        out = torch.ops.usertest.doubled_or_empty(torch.randn(shape))
         assert out.shape == shape and out.dtype == torch.float32
-    assert torch.equal(torch.ops.usertest.count(torch.randn(4, 0)), torch.tensor([0], dtype=torch.int32))
+    assert torch.equal(torch.ops.usertest.count_elements(torch.randn(4, 0)), torch.tensor([0], dtype=torch.int32))
     x = torch.randn(5, 16)
-    torch.testing.assert_close(torch.ops.usertest.doubled(x), x * 2)
+    torch.testing.assert_close(torch.ops.usertest.doubled_or_empty(x), x * 2)

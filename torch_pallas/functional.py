@@ -20,12 +20,22 @@ def fill(size: int | Sequence[int], value, *, dtype=None, device=None) -> torch.
     """
     if isinstance(size, int):
         size = (size,)
-    return torch.ops.pallas.fill(size, value, dtype=dtype, device=device)
+    return torch.ops.pallas.fill(size, value, dtype=dtype, device=_factory_device(device))
 
 
 def iota(n: int, *, dtype=None, device=None) -> torch.Tensor:
     """[0, 1, ..., n-1], like `torch.arange(n)` (int64 unless `dtype` says)."""
-    return torch.ops.pallas.iota(n, dtype=dtype, device=device)
+    return torch.ops.pallas.iota(n, dtype=dtype, device=_factory_device(device))
+
+
+def _factory_device(device):
+    """`device`, or torch's default device as a factory function sees it
+    here (`with torch.device(...)` included, which the op itself, called
+    inside that mode, no longer sees). Dynamo cannot trace the lookup: a
+    compiled call leaves it to the op."""
+    if device is None and not torch.compiler.is_compiling():
+        return torch.get_default_device()
+    return device
 
 
 def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

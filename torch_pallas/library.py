@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, get_args, get_origin
 
 import torch
+from torch.autograd import forward_ad
 
 from torch_pallas import dtypes, jax_env
 from torch_pallas.compile_path import decompose_to_triton_on_cuda
@@ -52,13 +53,15 @@ def define(
     schema: str | None = None,
     backward: Callable | None = None,
     setup_context: Callable | None = None,
+    jvp: Callable | None = None,
     compile_path: Callable | None = None,
 ):
     """Registers op `name` ("namespace::op") and returns it (its
     torch.ops packet): the schema (inferred from `implementation`'s
     annotations unless given), `implementation` for every device, `fake` for
     tracing, the autograd formula (`backward`, `setup_context` as for
-    `torch.library.register_autograd`) and `compile_path`: what AOTAutograd
+    `torch.library.register_autograd`; `jvp(inputs, tangents)` for
+    forward-mode AD) and `compile_path`: what AOTAutograd
     traces on CUDA tensors, where kernels launch through
     `torch.library.wrap_triton` (None: the op stays one opaque call there too).
 
@@ -78,7 +81,7 @@ def define(
     # a compiled region (after a graph break): it is JAX code.
     kernel = torch._disable_dynamo(implementation)
     lib.impl(opname, kernel, "CompositeExplicitAutograd")
-    lib.impl(opname, _autograd_kernel(packet.default, kernel, backward, setup_context),
+    lib.impl(opname, _autograd_kernel(packet.default, kernel, backward, setup_context, jvp),
              "Autograd", with_keyset=True)
     if compile_path is not None:
         decompose_to_triton_on_cuda(packet.default, compile_path, lib)
@@ -105,20 +108,29 @@ _DEVICE_ONLY = {
 
 
 def _autograd_kernel(op: torch._ops.OpOverload, device_kernel: Callable,
-                     backward: Callable | None, setup_context: Callable | None) -> Callable:
+                     backward: Callable | None, setup_context: Callable | None,
+                     jvp: Callable | None = None) -> Callable:
     """The op's Autograd kernel. A call that needs no gradient goes straight
     below autograd: to `device_kernel` (the op's CompositeExplicitAutograd
     kernel) when the dispatcher would go nowhere else (no mode, subclass or
     kernel registered for the device itself), saving a trip through it; one
-    that needs a gradient runs through an autograd.Function
-    calling `setup_context` and `backward` as torch.library.register_autograd
-    does (same ctx, same needs_input_grad)."""
+    that needs a gradient, or has a forward-mode tangent, runs through an
+    autograd.Function calling `setup_context` and `backward` as
+    torch.library.register_autograd does (same ctx, same needs_input_grad),
+    and `jvp(inputs, tangents)` for forward-mode AD (the tangent of the
+    output; without it a tangent raises).
+
+    Below autograd the op runs under AutoDispatchBelowADInplaceOrView, as
+    torch's own autograd kernels do: a view an implementation returns (a
+    reshape of the kernel's result) is a fresh output to autograd, which
+    in-place ops may modify."""
     after_autograd = torch._C._after_autograd_keyset
     has_kernel_for = torch._C._dispatch_has_kernel_for_dispatch_key
+    below_views = torch._C._AutoDispatchBelowADInplaceOrView
     name = op.name()
 
     def below_autograd(keyset, args, kwargs):
-        with torch._C._AutoDispatchBelowAutograd():
+        with below_views():
             return op.redispatch(keyset & after_autograd, *args, **kwargs)
 
     def forward(ctx, *args_and_dispatch):
@@ -128,7 +140,17 @@ def _autograd_kernel(op: torch._ops.OpOverload, device_kernel: Callable,
             # The dispatcher passes keyword-only arguments as kwargs.
             extra = {"keyword_only_inputs": kwargs} if kwargs else {}
             setup_context(ctx=ctx, inputs=tuple(args), output=result, **extra)
+        if forward_ad._current_level >= 0:  # jvp may follow (at once): it needs the inputs
+            ctx.primals = args
         return result
+
+    def jvp_(ctx, *tangents):
+        primals = ctx.primals
+        del ctx.primals
+        if jvp is None:
+            raise RuntimeError(f"{name}: forward-mode AD (a tangent on an input) is not "
+                               "implemented for this op")
+        return jvp(tuple(primals), tangents[:-1])
 
     def backward_(ctx, *grads):
         if backward is None:
@@ -142,18 +164,32 @@ def _autograd_kernel(op: torch._ops.OpOverload, device_kernel: Callable,
         return (*result, None) if isinstance(result, tuple) else (result, None)
 
     function = type(f"Backward_{op._name.replace('::', '_')}", (torch.autograd.Function,),
-                    {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward_),
+                     "jvp": staticmethod(jvp_)})
 
     def kernel(keyset, *args, **kwargs):
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+        if ((torch.is_grad_enabled() and torch._C._any_requires_grad(*args))
+                or (forward_ad._current_level >= 0 and _any_tangent(args))):
+            if torch._C._are_functorch_transforms_active():
+                # torch's own message names an autograd.Function the user never wrote.
+                raise RuntimeError(
+                    f"{name}: torch.func transforms (grad, vjp, jvp, jacrev, jacfwd, "
+                    "vmap of a gradient) cannot differentiate this op; use "
+                    "torch.autograd (backward, torch.autograd.grad, forward_ad) instead"
+                )
             return function.apply(*args, (keyset, kwargs))
         device_key = _DEVICE_ONLY.get((keyset & after_autograd).raw_repr())
         if device_key is not None and not has_kernel_for(name, device_key):
-            with torch._C._AutoDispatchBelowAutograd():
+            with below_views():
                 return device_kernel(*args, **kwargs)
         return below_autograd(keyset, args, kwargs)
 
     return kernel
+
+
+def _any_tangent(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None
+               for a in args)
 
 
 class _Signature:

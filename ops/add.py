@@ -61,11 +61,11 @@ def _backward(ctx, grad):
 
 def _jvp(inputs, tangents):
     # The tangent of x + y: tx + ty, each broadcast to the output's shape.
-    shape = broadcast_shape(*inputs)
     tx, ty = tangents
     if tx is not None and ty is not None:
         return torch.ops.pallas.add(tx, ty)
-    return torch.broadcast_to(tx if tx is not None else ty, shape).contiguous()
+    tangent = tx if tx is not None else ty
+    return torch.broadcast_to(tangent, broadcast_shape(*inputs)).contiguous()
 
 
 add = library.define(

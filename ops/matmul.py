@@ -173,7 +173,8 @@ def _backward(ctx, grad):
 def _jvp(inputs, tangents):
     """The tangent of a @ b: ta @ b + a @ tb."""
     (a, b), (ta, tb) = inputs, tangents
-    parts = [torch.ops.pallas.matmul(x, y) for x, y in ((ta, b), (a, tb)) if None not in (x, y)]
+    parts = [torch.ops.pallas.matmul(x, y) for x, y in ((ta, b), (a, tb))
+             if x is not None and y is not None]
     return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 

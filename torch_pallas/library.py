@@ -356,6 +356,7 @@ def _symbolic_output_shapes(name, fn, tensors, statics, outputs):
               for d, d2 in zip(t.shape, h))
         for t, h in zip(tensors, hints)
     ]
+
     def specialised():
         for sym, _, _ in symbols.values():
             int(sym)  # guards the compiled graph on this size

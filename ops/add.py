@@ -72,3 +72,25 @@ add = library.define(
     OP, add_implementation, fake=add_fake, backward=_backward, setup_context=_setup_context,
     jvp=_jvp, compile_path=add_implementation,
 )
+
+
+def _vmap(info, in_dims, x, y):
+    """torch.vmap of add as one call: each vmapped dimension goes first,
+    ahead of size-1 dimensions that line the operand's own dimensions up
+    with the other's, so broadcasting works per example."""
+    x_dim, y_dim = in_dims
+    if x_dim is None and y_dim is None:
+        return torch.ops.pallas.add(x, y), None
+    rank = max(x.dim() - (x_dim is not None), y.dim() - (y_dim is not None))
+
+    def leading(t, dim):
+        if dim is None:
+            return t
+        t = t.movedim(dim, 0)
+        return t.reshape(t.shape[0], *[1] * (rank - t.dim() + 1), *t.shape[1:])
+
+    return torch.ops.pallas.add(leading(x, x_dim), leading(y, y_dim)), 0
+
+
+torch.library.register_vmap(OP, _vmap)
+

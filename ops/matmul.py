@@ -207,3 +207,35 @@ def _register_autocast(device_type: str) -> None:
 _autocast_library = torch.library.Library("pallas", "IMPL")
 for _device_type in ("cpu", "cuda"):
     _register_autocast(_device_type)
+
+
+def _vmap(info, in_dims, a, b):
+    """torch.vmap of matmul as one batched call: the vmapped dimension goes
+    first, ahead of each operand's own batch dimensions (padded with size-1
+    ones to a common count), and 1-D operands become matrices and back."""
+    a_dim, b_dim = in_dims
+    if a_dim is None and b_dim is None:
+        return torch.ops.pallas.matmul(a, b), None
+    a_rank, b_rank = a.dim() - (a_dim is not None), b.dim() - (b_dim is not None)
+    a = a if a_dim is None else a.movedim(a_dim, 0)
+    b = b if b_dim is None else b.movedim(b_dim, 0)
+    if a_rank == 1:
+        a = a.unsqueeze(-2)
+    if b_rank == 1:
+        b = b.unsqueeze(-1)
+    a_batch, b_batch = max(a_rank, 2) - 2, max(b_rank, 2) - 2
+    batch = max(a_batch, b_batch)
+    if a_dim is not None:
+        a = a.reshape(a.shape[0], *[1] * (batch - a_batch), *a.shape[1:])
+    if b_dim is not None:
+        b = b.reshape(b.shape[0], *[1] * (batch - b_batch), *b.shape[1:])
+    out = torch.ops.pallas.matmul(a, b)
+    if a_rank == 1:
+        out = out.squeeze(-2)
+    if b_rank == 1:
+        out = out.squeeze(-1)
+    return out, 0
+
+
+torch.library.register_vmap(OP, _vmap)
+

@@ -74,7 +74,7 @@ def test_torch_func_differentiation_says_what_to_use_instead():
                       lambda f: torch.func.jvp(f, (a,), (torch.ones_like(a),))):
         with pytest.raises(RuntimeError, match="pallas::matmul: torch.func transforms.*torch.autograd"):
             transform(lambda a: P.matmul(a, b).sum())
-    # vmap alone (no gradient) runs the op per example
+    # vmap alone (no gradient) works
     x = torch.randn(6, 3, 4)
     torch.testing.assert_close(torch.vmap(P.matmul, in_dims=(0, None))(x, b), x @ b,
                                rtol=1e-5, atol=1e-5)
@@ -129,3 +129,45 @@ def test_factories_on_meta_and_under_a_default_device():
         assert torch_pallas.fill((2, 3), 1.5).device.type == "meta"
         assert torch_pallas.iota(4).device.type == "meta"
     assert torch_pallas.fill(3, 2.0).device.type == "cpu"
+
+
+@pytest.mark.parametrize("case", [
+    ((5, 4, 6), (6, 3), (0, None)),
+    ((4, 6), (5, 6, 3), (None, 0)),
+    ((4, 5, 6), (6, 5, 3), (1, 1)),
+    ((2, 4, 6), (5, 6, 3), (None, 0)),  # a's own batch against the vmapped one
+    ((5, 6), (6, 3), (0, None)),  # per example a vector times a matrix
+    ((4, 6), (5, 6), (None, 0)),  # a matrix times a vector
+    ((5, 6), (6, 5), (0, 1)),  # vector . vector
+], ids=["a", "b", "both-dim1", "a-batched", "vector-matrix", "matrix-vector", "dot"])
+def test_vmap_of_matmul_is_one_call(case, monkeypatch):
+    from torch_pallas.ops import matmul as matmul_op
+
+    a_shape, b_shape, in_dims = case
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    calls = []
+    launch = matmul_op.launch
+    monkeypatch.setattr(matmul_op, "launch", lambda *args, **kw: calls.append(1) or launch(*args, **kw))
+    out = torch.vmap(P.matmul, in_dims=in_dims)(a, b)
+    torch.testing.assert_close(out, torch.vmap(torch.matmul, in_dims=in_dims)(a, b),
+                               rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("case", [
+    ((5, 3, 4), (4,), (0, None)),
+    ((4,), (5, 3, 4), (None, 0)),
+    ((3, 5), (2, 3, 1), (1, None)),
+    ((5, 4), (5, 3, 4), (0, 0)),  # x's example rank below y's
+], ids=["x", "y", "x-dim1", "both"])
+def test_vmap_of_add_is_one_call(case, monkeypatch):
+    from torch_pallas.ops import add as add_op
+
+    x_shape, y_shape, in_dims = case
+    x, y = torch.randn(x_shape), torch.randn(y_shape)
+    calls = []
+    launch = add_op.launch
+    monkeypatch.setattr(add_op, "launch", lambda *args, **kw: calls.append(1) or launch(*args, **kw))
+    out = torch.vmap(P.add, in_dims=in_dims)(x, y)
+    torch.testing.assert_close(out, torch.vmap(torch.add, in_dims=in_dims)(x, y))
+    assert len(calls) == 1

@@ -93,4 +93,3 @@ def _vmap(info, in_dims, x, y):
 
 
 torch.library.register_vmap(OP, _vmap)
-

@@ -238,4 +238,3 @@ def _vmap(info, in_dims, a, b):
 
 
 torch.library.register_vmap(OP, _vmap)
-

@@ -278,7 +278,6 @@ def test_an_int_parameter_torch_compile_makes_symbolic():
         torch.testing.assert_close(by_size(y), y.repeat(size))
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes need Python 3.11")
 def test_errors_from_tracing_the_jax_function_name_the_op_and_inputs():
     @torch_pallas.custom_op("usertest::bad_shapes")
     def bad_shapes(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

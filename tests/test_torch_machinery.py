@@ -131,43 +131,34 @@ def test_factories_on_meta_and_under_a_default_device():
     assert torch_pallas.fill(3, 2.0).device.type == "cpu"
 
 
-@pytest.mark.parametrize("case", [
-    ((5, 4, 6), (6, 3), (0, None)),
-    ((4, 6), (5, 6, 3), (None, 0)),
-    ((4, 5, 6), (6, 5, 3), (1, 1)),
-    ((2, 4, 6), (5, 6, 3), (None, 0)),  # a's own batch against the vmapped one
-    ((5, 6), (6, 3), (0, None)),  # per example a vector times a matrix
-    ((4, 6), (5, 6), (None, 0)),  # a matrix times a vector
-    ((5, 6), (6, 5), (0, 1)),  # vector . vector
-], ids=["a", "b", "both-dim1", "a-batched", "vector-matrix", "matrix-vector", "dot"])
-def test_vmap_of_matmul_is_one_call(case, monkeypatch):
-    from torch_pallas.ops import matmul as matmul_op
+VMAP_CASES = [  # op, the two operands' shapes, in_dims
+    ("matmul", (5, 4, 6), (6, 3), (0, None)),
+    ("matmul", (4, 6), (5, 6, 3), (None, 0)),
+    ("matmul", (4, 5, 6), (6, 5, 3), (1, 1)),
+    ("matmul", (2, 4, 6), (5, 6, 3), (None, 0)),  # a's own batch against the vmapped one
+    ("matmul", (5, 6), (6, 3), (0, None)),  # per example a vector times a matrix
+    ("matmul", (4, 6), (5, 6), (None, 0)),  # a matrix times a vector
+    ("matmul", (5, 6), (6, 5), (0, 1)),  # vector . vector
+    ("add", (5, 3, 4), (4,), (0, None)),
+    ("add", (4,), (5, 3, 4), (None, 0)),
+    ("add", (3, 5), (2, 3, 1), (1, None)),
+    ("add", (5, 4), (5, 3, 4), (0, 0)),  # x's example rank below y's
+]
+# matmul sums in another order than torch's; add is exact
+VMAP_TOLERANCE = {"matmul": {"rtol": 1e-5, "atol": 1e-5}, "add": {}}
 
-    a_shape, b_shape, in_dims = case
-    a, b = torch.randn(a_shape), torch.randn(b_shape)
+
+@pytest.mark.parametrize("op,first,second,in_dims", VMAP_CASES,
+                         ids=[f"{c[0]}-{c[3]}-{len(c[1])}d-{len(c[2])}d" for c in VMAP_CASES])
+def test_vmap_is_one_call(op, first, second, in_dims, monkeypatch):
+    import importlib
+
+    op_module = importlib.import_module(f"torch_pallas.ops.{op}")
+    x, y = torch.randn(first), torch.randn(second)
     calls = []
-    launch = matmul_op.launch
-    monkeypatch.setattr(matmul_op, "launch", lambda *args, **kw: calls.append(1) or launch(*args, **kw))
-    out = torch.vmap(P.matmul, in_dims=in_dims)(a, b)
-    torch.testing.assert_close(out, torch.vmap(torch.matmul, in_dims=in_dims)(a, b),
-                               rtol=1e-5, atol=1e-5)
-    assert len(calls) == 1
-
-
-@pytest.mark.parametrize("case", [
-    ((5, 3, 4), (4,), (0, None)),
-    ((4,), (5, 3, 4), (None, 0)),
-    ((3, 5), (2, 3, 1), (1, None)),
-    ((5, 4), (5, 3, 4), (0, 0)),  # x's example rank below y's
-], ids=["x", "y", "x-dim1", "both"])
-def test_vmap_of_add_is_one_call(case, monkeypatch):
-    from torch_pallas.ops import add as add_op
-
-    x_shape, y_shape, in_dims = case
-    x, y = torch.randn(x_shape), torch.randn(y_shape)
-    calls = []
-    launch = add_op.launch
-    monkeypatch.setattr(add_op, "launch", lambda *args, **kw: calls.append(1) or launch(*args, **kw))
-    out = torch.vmap(P.add, in_dims=in_dims)(x, y)
-    torch.testing.assert_close(out, torch.vmap(torch.add, in_dims=in_dims)(x, y))
+    launch = op_module.launch
+    monkeypatch.setattr(op_module, "launch", lambda *args, **kw: calls.append(1) or launch(*args, **kw))
+    out = torch.vmap(getattr(P, op), in_dims=in_dims)(x, y)
+    expected = torch.vmap(getattr(torch, op), in_dims=in_dims)(x, y)
+    torch.testing.assert_close(out, expected, **VMAP_TOLERANCE[op])
     assert len(calls) == 1

@@ -163,9 +163,12 @@ def _build(op, backend, device, avals, params, detect_races, entry):
 
 
 def add_note(error: BaseException, note: str) -> None:
-    """Adds `note` to `error`'s message (Python 3.11+; earlier ones go without)."""
+    """Adds `note` to `error`'s notes, which tracebacks print after its
+    message (Python 3.10, which has no add_note, keeps them unprinted)."""
     if hasattr(error, "add_note"):
         error.add_note(note)
+    else:
+        error.__notes__ = [*getattr(error, "__notes__", []), note]
 
 
 def _lower(entry, avals, jax_device):

@@ -178,9 +178,15 @@ def _jvp(inputs, tangents):
     return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
+def _flops(a_shape, b_shape, *, out_shape, **kwargs) -> int:
+    """A multiply and an add per output element and step along K."""
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
 matmul = library.define(
     OP, matmul_implementation, fake=matmul_fake, backward=_backward,
     setup_context=_setup_context, jvp=_jvp, compile_path=matmul_implementation,
+    flops=_flops,
 )
 
 

@@ -1,8 +1,12 @@
 """The ops among PyTorch's machinery: in-place ops on their outputs,
 forward-mode AD, torch.func, shape guards under torch.compile and
-torch.export, symbolic fill values, meta tensors and default devices."""
+torch.export, symbolic fill values, meta tensors and default devices,
+vmap and FLOP counting."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -162,3 +166,42 @@ def test_vmap_is_one_call(op, first, second, in_dims, monkeypatch):
     expected = torch.vmap(getattr(torch, op), in_dims=in_dims)(x, y)
     torch.testing.assert_close(out, expected, **VMAP_TOLERANCE[op])
     assert len(calls) == 1
+
+
+# Shapes whose products torch counts (mm, bmm), broadcast batches included.
+FLOP_SHAPES = [((7, 13), (13, 5)), ((3, 9, 6), (6, 11)), ((2, 1, 4, 5), (3, 5, 6)), ((4, 3, 5), (4, 5, 2))]
+
+
+@pytest.mark.parametrize("shapes", FLOP_SHAPES, ids=lambda s: f"{s[0]}@{s[1]}")
+def test_flop_counter_counts_matmul_forward_and_backward_as_torch_does(shapes):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(matmul):
+        a, b = (torch.randn(s, requires_grad=True) for s in shapes)
+        with FlopCounterMode(display=False) as counter:
+            matmul(a, b).sum().backward()
+        return counter.get_total_flops()
+
+    m, k = shapes[0][-2:]
+    n = shapes[1][-1]
+    batch = torch.broadcast_shapes(shapes[0][:-2], shapes[1][:-2]).numel()
+    assert flops(P.matmul) == flops(torch.matmul) == 3 * 2 * batch * m * n * k  # forward, dA, dB
+
+
+def test_flop_formulas_wait_for_flop_counter_to_be_imported():
+    """torch_pallas does not import flop_counter (0.3 s: Inductor, Triton);
+    its formulas are registered when flop_counter is imported, before or after."""
+    count = (
+        "import sys, torch, torch_pallas\n"
+        "{imported}\n"
+        "from torch.utils.flop_counter import FlopCounterMode\n"
+        "a, b = torch.empty(3, 7, 5, device='meta'), torch.empty(5, 6, device='meta')\n"
+        "with FlopCounterMode(display=False) as counter:\n"
+        "    torch.ops.pallas.matmul(a, b)\n"
+        "print(counter.get_total_flops())"
+    )
+    after = count.format(imported="print('torch.utils.flop_counter' in sys.modules)")
+    before = "import torch.utils.flop_counter\n" + count.format(imported="")
+    for code, expected in ((after, ["False", "1260"]), (before, ["1260"])):
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+        assert out.stdout.split() == expected

@@ -38,7 +38,7 @@ from typing import Any, get_args, get_origin
 import torch
 from torch.autograd import forward_ad
 
-from torch_pallas import dtypes, jax_env
+from torch_pallas import dtypes, flop_counting, jax_env
 from torch_pallas.compile_path import decompose_to_triton_on_cuda
 from torch_pallas.launch import add_note, launch
 
@@ -55,6 +55,7 @@ def define(
     setup_context: Callable | None = None,
     jvp: Callable | None = None,
     compile_path: Callable | None = None,
+    flops: Callable | None = None,
 ):
     """Registers op `name` ("namespace::op") and returns it (its
     torch.ops packet): the schema (inferred from `implementation`'s
@@ -63,7 +64,9 @@ def define(
     `torch.library.register_autograd`; `jvp(inputs, tangents)` for
     forward-mode AD) and `compile_path`: what AOTAutograd
     traces on CUDA tensors, where kernels launch through
-    `torch.library.wrap_triton` (None: the op stays one opaque call there too).
+    `torch.library.wrap_triton` (None: the op stays one opaque call there too)
+    and `flops(*input_shapes, out_shape)`, the FLOPs a call does, for
+    FlopCounterMode (see flop_counting).
 
     This is what `torch.library.custom_op` registers, minus its per-call
     wrappers (a second autograd wrapper on calls that need no gradient,
@@ -85,6 +88,8 @@ def define(
              "Autograd", with_keyset=True)
     if compile_path is not None:
         decompose_to_triton_on_cuda(packet.default, compile_path, lib)
+    if flops is not None:
+        flop_counting.register(packet, flops)
     return packet
 
 

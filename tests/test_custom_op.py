@@ -123,6 +123,25 @@ def test_two_outputs_and_static_arguments_in_the_cache_key():
     torch.testing.assert_close(torch.ops.usertest.split_scale(x, 5)[0], x * 5)
 
 
+def test_flop_formula_of_a_user_op_sees_shapes_and_static_arguments():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def flops(x_shape, w_shape, repeats, *, out_shape):
+        return 2 * repeats * out_shape[0] * out_shape[1] * x_shape[1]
+
+    @torch_pallas.custom_op("usertest::repeated_matmul", flops=flops)
+    def repeated_matmul(x: torch.Tensor, w: torch.Tensor, repeats: int) -> torch.Tensor:
+        for _ in range(repeats):
+            x = x @ w
+        return x
+
+    x, w = torch.randn(5, 7), torch.randn(7, 7) / 7**0.5
+    with FlopCounterMode(display=False) as counter:
+        out = torch.ops.usertest.repeated_matmul(x, w, 3)
+    torch.testing.assert_close(out, x @ w @ w @ w, rtol=1e-5, atol=1e-5)
+    assert counter.get_total_flops() == 2 * 3 * 5 * 7 * 7
+
+
 def test_outputs_the_api_cannot_map_raise_clearly():
     @torch_pallas.custom_op("usertest::not_an_array")
     def not_an_array(x: torch.Tensor) -> torch.Tensor:

@@ -390,6 +390,7 @@ def custom_op(
     *,
     backward: Callable | None = None,
     triton: Callable | None = None,
+    flops: Callable | None = None,
 ):
     """Registers the JAX function `fn` (built on Pallas kernels) as the torch
     op `name` ("namespace::op") and returns it (its torch.ops packet, callable
@@ -405,9 +406,11 @@ def custom_op(
     - `triton(*op_arguments, wrap=...)`: a Triton implementation on torch
       tensors, used by the `triton` backend and traced by torch.compile on
       CUDA (launch kernels as `wrap(kernel)[grid](...)`).
+    - `flops(*op_arguments, out_shape)`, with tensors given as their shapes:
+      the FLOPs of a call, for `torch.utils.flop_counter.FlopCounterMode`.
     """
     if fn is None:
-        return functools.partial(custom_op, name, backward=backward, triton=triton)
+        return functools.partial(custom_op, name, backward=backward, triton=triton, flops=flops)
     sig = _Signature(name, fn)
     single = sig.outputs is None
     entry = _kernel_entry(sig, fn)
@@ -451,7 +454,7 @@ def custom_op(
             return triton(*args, wrap=torch.library.wrap_triton, **kwargs)
 
     return define(name, implementation, fake=fake, schema=schema, compile_path=compile_path,
-                  **autograd)
+                  flops=flops, **autograd)
 
 
 def _concrete(value):

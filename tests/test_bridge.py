@@ -154,3 +154,18 @@ def test_compile_cache_is_bounded_and_clearable():
     assert len(cache) == 0 and cache.recall("call") is None
     torch_pallas.clear_cache()
     assert compile_cache.size() == 0
+
+
+def test_compile_cache_drops_the_least_recently_used_kernel():
+    """A kernel used on every step stays while others come and go, whether
+    it is found by key or by call signature."""
+    cache = compile_cache.CompileCache(max_entries=3)
+    cache.get("hot", lambda: "hot kernel")
+    cache.remember("hot call", "hot")
+    for i in range(10):
+        cache.get(i, lambda i=i: f"kernel {i}")
+        if i % 2:
+            assert cache.recall("hot call") == ("hot", None, "hot kernel")
+        else:
+            assert cache.get("hot", lambda: "rebuilt") == "hot kernel"
+    assert cache.builds == 11

@@ -2,9 +2,9 @@
 shapes and dtypes, op parameters, config): a repeated call never re-traces.
 
 Entries are ahead-of-time compiled JAX executables (or Triton launchers).
-The cache is bounded (past `MAX_ENTRIES` the oldest entries are dropped) and
-thread-safe: when several threads ask for a key at once, one builds it and
-the others wait for that build.
+The cache is bounded (past `MAX_ENTRIES` the least recently used entries are
+dropped) and thread-safe: when several threads ask for a key at once, one
+builds it and the others wait for that build.
 
 A call first looks for its kernel under a cheaper key, the call's signature
 as torch sees it (`remember`/`recall`): what the full key is computed from
@@ -34,6 +34,7 @@ class CompileCache:
     def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
         entry = self._entries.get(key)
         if entry is not None:
+            self._used(key)
             return entry
         with self._lock:
             key_lock = self._building.setdefault(key, threading.Lock())
@@ -64,7 +65,18 @@ class CompileCache:
         if found is None:
             return None
         entry = self._entries.get(found[0])
-        return None if entry is None else (*found, entry)
+        if entry is None:
+            return None
+        self._used(found[0])
+        return (*found, entry)
+
+    def _used(self, key: Hashable) -> None:
+        """Marks `key` as the most recently used: eviction takes the least
+        recently used entries."""
+        try:
+            self._entries.move_to_end(key)
+        except KeyError:  # evicted meanwhile by another thread
+            pass
 
     def clear(self) -> None:
         with self._lock:

@@ -146,19 +146,23 @@ def _build(op, backend, device, avals, params, detect_races, entry):
         )
         if hasattr(module, "compiler_options"):  # XLA options per shape
             options = module.compiler_options(backend.name, avals, params)
+    # Small CPU kernels run on the synchronous client: lowered for it first,
+    # so that they are lowered once (a lowering costs as much as the compile).
+    if backend.name == "interpret" and device.type == "cpu":
+        synchronous = jax_env.synchronous_cpu_device()
+        try:
+            if synchronous is not None:
+                lowered = _lower(entry, avals, synchronous)
+                if _runs_synchronously(lowered):
+                    return _compile(lowered, options)
+        except Exception:  # a JAX that cannot build for a second client
+            pass
     try:
         lowered = _lower(entry, avals, jax_device(device))
     except Exception as e:
         add_note(e, f"{qualified_name(op)}: building its {backend.name!r} kernel for inputs "
                     f"{list(avals)} and parameters {dict(params)}")
         raise
-    if backend.name == "interpret" and _runs_synchronously(lowered):
-        synchronous = jax_env.synchronous_cpu_device()
-        try:
-            if synchronous is not None:
-                return _compile(_lower(entry, avals, synchronous), options)
-        except Exception:  # a JAX that cannot compile for a second client
-            pass
     return _compile(lowered, options)
 
 

@@ -11,6 +11,8 @@ from torch_pallas import dtypes
 def tensor(op: str, name: str, value) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{op}: {name} must be a dense (strided) tensor, got layout {value.layout}")
 
 
 def dtype_in(op: str, name: str, dtype: torch.dtype, supported) -> None:

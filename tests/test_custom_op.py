@@ -182,6 +182,15 @@ def test_inputs_and_signatures_the_api_cannot_map_raise_clearly():
 
     with pytest.raises(TypeError, match="usertest::identity: x has dtype torch.float64"):
         torch.ops.usertest.identity(torch.randn(3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="usertest::identity: x must be a dense .* torch.sparse_coo"):
+        torch.ops.usertest.identity(torch.randn(3).to_sparse())
+    with pytest.raises(TypeError, match="usertest::identity: x must be a torch.Tensor, got None"):
+        torch.ops.usertest.identity(None)  # the dispatcher lets None through
+
+    with pytest.raises(TypeError, match="usertest::optional: tensor parameter 'y' has a default"):
+        @torch_pallas.custom_op("usertest::optional")
+        def optional(x: torch.Tensor, y: torch.Tensor = None) -> torch.Tensor:
+            return x if y is None else x + y
 
 
 def test_autograd_paths_of_a_user_op():
@@ -278,6 +287,30 @@ def test_output_sizes_computed_from_input_sizes_under_compile(dynamic):
         flat, doubled = compiled(x)
         torch.testing.assert_close(flat, x.reshape(-1) * 2)
         torch.testing.assert_close(doubled, torch.cat([x, x])[1:] * 2)
+
+
+def test_output_sizes_clamped_or_rounded_are_not_taken_for_the_input_size():
+    """Sizes that equal the input's at some sizes only: min(n, 16) and n
+    rounded up to a multiple of 8. Compiled with dynamic shapes, the graph
+    must not assume either is n."""
+    @torch_pallas.custom_op("usertest::head16")
+    def head16(x: torch.Tensor) -> torch.Tensor:
+        return x[:16] * 2
+
+    @torch_pallas.custom_op("usertest::pad8")
+    def pad8(x: torch.Tensor) -> torch.Tensor:
+        return jnp.pad(x, ((0, -x.shape[0] % 8),))
+
+    def rows(x):  # uses the op's output size only
+        return torch.ones(torch.ops.usertest.head16(x).shape[0]).sum()
+
+    compiled_rows = torch.compile(rows, fullgraph=True, dynamic=True)
+    compiled_pad = torch.compile(lambda x: torch.ops.usertest.pad8(x) + 1, fullgraph=True, dynamic=True)
+    torch._dynamo.reset()
+    for n in (3, 40, 8, 12):
+        x = torch.randn(n)
+        assert compiled_rows(x).item() == min(n, 16)
+        torch.testing.assert_close(compiled_pad(x), torch.nn.functional.pad(x, (0, -n % 8)) + 1)
 
 
 def test_an_int_parameter_torch_compile_makes_symbolic():

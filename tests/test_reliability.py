@@ -36,6 +36,10 @@ BAD_INPUTS = [
      ["pallas::matmul", "same device", "cpu", "meta"]),
     # (the torch dispatcher itself names the op, argument and type here)
     (lambda: P.matmul(torch.randn(2, 3), "b"), RuntimeError, ["pallas::matmul", "argument 'b'", "str"]),
+    (lambda: P.matmul(torch.eye(3).to_sparse(), torch.randn(3, 2)), TypeError,
+     ["pallas::matmul", "a", "dense", "torch.sparse_coo"]),
+    (lambda: P.add(torch.randn(3), torch.randn(3).to_sparse()), TypeError,
+     ["pallas::add", "y", "dense", "torch.sparse_coo"]),
     (lambda: P.add(torch.randn(3, 4), torch.randn(5)), ValueError,
      ["pallas::add", "(3, 4)", "(5,)", "broadcast"]),
     (lambda: P.add(torch.randn(3), torch.randn(3).bfloat16()), TypeError,

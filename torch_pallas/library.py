@@ -221,6 +221,11 @@ class _Signature:
                     f"custom_op {name}: tensor parameter {p.name!r} is keyword-only; "
                     "make it positional"
                 )
+            elif p.annotation is torch.Tensor and p.default is not p.empty:
+                raise TypeError(
+                    f"custom_op {name}: tensor parameter {p.name!r} has a default "
+                    f"({p.default!r}); tensor parameters take tensors only"
+                )
             elif p.annotation is torch.Tensor:
                 self.tensors.append(p.name)
             elif p.annotation in STATIC_TYPES:
@@ -260,14 +265,20 @@ class _Signature:
 
 
 def _check_tensors(name: str, sig: _Signature, tensors) -> torch.device:
-    device = tensors[0].device
+    device = None
     for arg, t in zip(sig.tensors, tensors):
+        if not isinstance(t, torch.Tensor):  # the dispatcher lets None through
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, got {t!r}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name}: {arg} must be a dense (strided) tensor, got layout {t.layout}")
         if t.dtype not in dtypes.JAX_NAMES:
             raise TypeError(
                 f"{name}: {arg} has dtype {t.dtype}, which the JAX function cannot "
                 f"receive exactly; supported: {dtypes.names(dtypes.JAX_NAMES)}"
             )
-        if t.device != device:
+        if device is None:
+            device = t.device
+        elif t.device != device:
             raise ValueError(
                 f"{name}: all tensors must be on one device, got {sig.tensors[0]} on "
                 f"{device} and {arg} on {t.device}"
@@ -331,14 +342,27 @@ def _kernel_entry(sig: _Signature, fn: Callable) -> Callable:
 _TORCH_DTYPES = {name: dtype for dtype, name in dtypes.JAX_NAMES.items()}
 
 
+# The sizes a symbol takes in the probes of `_symbolic_output_shapes`, from
+# its hint and a factor of its own: the first probe must trace; the others,
+# which catch sizes rounded up (n + 1, small) or clamped (small, large), are
+# skipped where the function refuses them (a kernel taking only multiples of
+# its block refuses such sizes at run time too).
+PROBE_SIZES = (
+    lambda hint, factor: hint * factor,
+    lambda hint, factor: hint * factor + 1,
+    lambda hint, factor: factor,
+    lambda hint, factor: hint * (factor + 1000),
+)
+
+
 def _symbolic_output_shapes(name, fn, tensors, statics, outputs):
-    """Output shapes for (possibly symbolic) fake inputs: each output
-    dimension is the input dimension (symbol) it follows, found by
-    evaluating the shapes at the size hints and again with every symbol
-    scaled by its own factor; a dimension that follows no symbol is a
-    constant. Where that cannot describe a size (the scaled sizes do not
-    trace, or an output size moved without following one symbol), the sizes
-    are specialised: the graph is guarded on them."""
+    """Output shapes for (possibly symbolic) fake inputs. JAX cannot trace a
+    Pallas kernel at symbolic sizes, so the function is probed: its output
+    shapes are evaluated at the size hints and again at other sizes for every
+    symbol (PROBE_SIZES). An output dimension that equals one symbol at every
+    probe is that symbol; one that never moves is a constant. Any other size
+    (2n, n - 1, rounded up, clamped), or a first probe that does not trace,
+    specialises the sizes: the graph is guarded on them."""
     def concrete(d):
         if isinstance(d, torch.SymInt):
             hint = d.node.hint
@@ -356,29 +380,43 @@ def _symbolic_output_shapes(name, fn, tensors, statics, outputs):
                 symbols[str(d.node.expr)] = (d, concrete(d), len(symbols) + 2)
     if not symbols:
         return base
-    scaled = [
-        tuple(d2 * symbols[str(d.node.expr)][2] if isinstance(d, torch.SymInt) else d2
-              for d, d2 in zip(t.shape, h))
-        for t, h in zip(tensors, hints)
-    ]
 
     def specialised():
         for sym, _, _ in symbols.values():
             int(sym)  # guards the compiled graph on this size
         return base
 
-    try:
-        moved = _output_types(name, fn, outputs, tuple(zip(scaled, dtypes_)), statics_key)
-    except Exception:  # sizes the kernel cannot take
+    def probe(size):
+        shapes = [
+            tuple(size(*symbols[str(d.node.expr)][1:]) if isinstance(d, torch.SymInt) else h
+                  for d, h in zip(t.shape, hint))
+            for t, hint in zip(tensors, hints)
+        ]
+        return _output_types(name, fn, outputs, tuple(zip(shapes, dtypes_)), statics_key)
+
+    probes = []
+    for i, size in enumerate(PROBE_SIZES):
+        try:
+            probes.append((size, probe(size)))
+        except Exception:  # sizes the function refuses
+            if i == 0:
+                return specialised()
+    ranks = [len(shape) for shape, _ in base]
+    if any([len(shape) for shape, _ in out] != ranks for _, out in probes):
         return specialised()
     result = []
-    for (shape, dtype), (shape2, _) in zip(base, moved):
+    for i, (shape, dtype) in enumerate(base):
         dims = []
-        for d, d2 in zip(shape, shape2):
-            match = [s for s, hint, f in symbols.values() if d == hint and d2 == hint * f]
-            if not match and d != d2:  # a size computed from the inputs' (2n, n - 1, ...)
+        for j, d in enumerate(shape):
+            moved = [out[i][0][j] for _, out in probes]
+            follows = [sym for sym, hint, factor in symbols.values()
+                       if d == hint and moved == [size(hint, factor) for size, _ in probes]]
+            if follows:
+                dims.append(follows[0])
+            elif all(m == d for m in moved):
+                dims.append(d)
+            else:
                 return specialised()
-            dims.append(match[0] if match else d)
         result.append((tuple(dims), dtype))
     return result
 

@@ -133,6 +133,17 @@ def test_linear_under_autocast_matches_torch():
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
 
 
+def test_linear_with_a_bias_of_another_dtype_raises_like_torch():
+    layer = nn.Linear(16, 8).bfloat16()
+    layer.bias.data = layer.bias.data.float()
+    pallas = replace_linear(copy.deepcopy(layer))
+    x = torch.randn(3, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError):
+        layer(x)
+    with pytest.raises(TypeError, match="linear: bias has dtype torch.float32, input and weight torch.bfloat16"):
+        pallas(x)
+
+
 def pallas_matmuls(fn) -> int:
     """How many pallas::matmul calls `fn()` makes."""
     from torch.utils._python_dispatch import TorchDispatchMode

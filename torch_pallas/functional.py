@@ -57,7 +57,13 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     `torch.nn.functional.linear`. The weight's transpose is read in place and
     the batch dimensions of `input` fold into one product."""
     out = torch.ops.pallas.matmul(input, weight.t())
-    if bias is not None:
-        # Cast like F.linear under autocast: the output keeps its dtype.
-        out = out + bias.to(out.dtype)
-    return out
+    if bias is None:
+        return out
+    if torch.is_autocast_enabled(out.device.type):  # cast with the operands, as F.linear's is
+        bias = bias.to(out.dtype)
+    elif bias.dtype != out.dtype:
+        raise TypeError(
+            f"torch_pallas.linear: bias has dtype {bias.dtype}, input and weight "
+            f"{out.dtype}; they must be the same (convert one explicitly)"
+        )
+    return out + bias

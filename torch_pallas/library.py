@@ -394,23 +394,26 @@ def _symbolic_output_shapes(name, fn, tensors, statics, outputs):
         ]
         return _output_types(name, fn, outputs, tuple(zip(shapes, dtypes_)), statics_key)
 
-    probes = []
+    sizes, outs = [], []  # the probes that traced, and their output types
     for i, size in enumerate(PROBE_SIZES):
         try:
-            probes.append((size, probe(size)))
+            outs.append(probe(size))
+            sizes.append(size)
         except Exception:  # sizes the function refuses
             if i == 0:
                 return specialised()
     ranks = [len(shape) for shape, _ in base]
-    if any([len(shape) for shape, _ in out] != ranks for _, out in probes):
+    if any([len(shape) for shape, _ in out] != ranks for out in outs):
         return specialised()
+    # Each symbol's hint and the sizes it took in those probes.
+    taken = [(sym, hint, [size(hint, factor) for size in sizes])
+             for sym, hint, factor in symbols.values()]
     result = []
     for i, (shape, dtype) in enumerate(base):
         dims = []
         for j, d in enumerate(shape):
-            moved = [out[i][0][j] for _, out in probes]
-            follows = [sym for sym, hint, factor in symbols.values()
-                       if d == hint and moved == [size(hint, factor) for size, _ in probes]]
+            moved = [out[i][0][j] for out in outs]
+            follows = [sym for sym, hint, values in taken if d == hint and moved == values]
             if follows:
                 dims.append(follows[0])
             elif all(m == d for m in moved):

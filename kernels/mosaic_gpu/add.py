@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from torch_pallas.kernels.blocking import as_rows
+from torch_pallas.kernels.spec import KernelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +34,6 @@ class AddConfig:
     def default(cls, backend: str) -> "AddConfig":
         return cls(block_rows=32, block_cols=128, blocks_per_program=4, max_concurrent_steps=2)
 
-
-def default_config(backend: str) -> AddConfig:
-    return AddConfig.default(backend)
 
 
 def add_kernel(x_gmem, y_gmem, o_gmem, *, config: AddConfig):
@@ -72,3 +70,6 @@ def add(x, y, out_shape, *, config: AddConfig, interpret):
         interpret=interpret,
     )(xm, ym)
     return out.reshape(-1)[:n].reshape(out_shape)
+
+
+KERNEL = KernelSpec(run=add, default_config=AddConfig.default)

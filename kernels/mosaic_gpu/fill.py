@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from torch_pallas.kernels.blocking import cdiv
+from torch_pallas.kernels.spec import KernelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +29,6 @@ class FillConfig:
     def default(cls, backend: str) -> "FillConfig":
         return cls(block=2048)
 
-
-def default_config(backend: str) -> FillConfig:
-    return FillConfig.default(backend)
 
 
 def fill_kernel(o_gmem, *, value, block):
@@ -50,3 +48,6 @@ def fill(shape, value, dtype, *, config: FillConfig, interpret):
         interpret=interpret,
     )()
     return out[:n].reshape(shape)
+
+
+KERNEL = KernelSpec(run=fill, default_config=FillConfig.default)

@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from torch_pallas.kernels.blocking import cdiv
+from torch_pallas.kernels.spec import KernelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +32,6 @@ class IotaConfig:
     def default(cls, backend: str) -> "IotaConfig":
         return cls(block=2048)
 
-
-def default_config(backend: str) -> IotaConfig:
-    return IotaConfig.default(backend)
 
 
 def iota_kernel(o_gmem, *, block):
@@ -56,3 +54,6 @@ def iota(n, dtype, *, config: IotaConfig, interpret):
         interpret=interpret,
     )()
     return out[:n]
+
+
+KERNEL = KernelSpec(run=iota, default_config=IotaConfig.default)

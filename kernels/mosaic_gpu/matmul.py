@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from torch_pallas.kernels.blocking import pad_to, round_up
+from torch_pallas.kernels.spec import KernelSpec
 
 SWIZZLE_BYTES = 128
 
@@ -75,16 +76,13 @@ class MatmulConfig:
         return self.tile_k_bytes // jnp.dtype(dtype).itemsize
 
 
-def default_config(backend: str) -> MatmulConfig:
-    return MatmulConfig.default(backend)
-
 
 def select_config(backend: str, avals, params) -> MatmulConfig | WarpSpecializedConfig:
     """On a GPU, the warp-specialized kernel's tuned (or shipped) config for
     this shape; the simulator runs the quickstart's kernel with its hardware
     tiles (tests/test_matmul_tuning.py simulates every tuned config)."""
     if backend != "mosaic_gpu":
-        return default_config(backend)
+        return MatmulConfig.default(backend)
     from torch_pallas.kernels.mosaic_gpu import matmul_tuning
 
     (a_shape, dtype), (b_shape, _) = avals
@@ -410,3 +408,7 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool,
         interpret=interpret,
     )(a_rows, b_rows)
     return out.reshape(batch, mp, np_)[:, :m, :n]
+
+
+KERNEL = KernelSpec(run=matmul, default_config=MatmulConfig.default,
+                    select_config=select_config, unsupported=unsupported)

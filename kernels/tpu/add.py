@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.blocking import as_rows
+from torch_pallas.kernels.spec import KernelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +34,6 @@ class AddConfig:
             return cls(block_rows=None, block_cols=None)
         return cls(block_rows=32, block_cols=128)  # (8, 128)-tiled VMEM blocks
 
-
-def default_config(backend: str) -> AddConfig:
-    return AddConfig.default(backend)
 
 
 def add_kernel(x_hbm, y_hbm, o_hbm, *, block, num_cores):
@@ -78,3 +76,6 @@ def add(x, y, out_shape, *, config: AddConfig, num_cores: int, interpret):
         interpret=interpret,
     )(xm, ym)
     return out.reshape(-1)[:n].reshape(out_shape)
+
+
+KERNEL = KernelSpec(run=add, default_config=AddConfig.default)

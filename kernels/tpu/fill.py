@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.blocking import cdiv
+from torch_pallas.kernels.spec import KernelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,9 +32,6 @@ class FillConfig:
         # The generic interpreter pays per block: one block on CPU.
         return cls(block=None) if backend == "interpret" else cls(block=1024)
 
-
-def default_config(backend: str) -> FillConfig:
-    return FillConfig.default(backend)
 
 
 def core_index(num_cores: int):
@@ -68,3 +66,6 @@ def fill(shape, value, dtype, *, config: FillConfig, num_cores: int, interpret):
         interpret=interpret,
     )()
     return out[:n].reshape(shape)
+
+
+KERNEL = KernelSpec(run=fill, default_config=FillConfig.default)

@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.blocking import cdiv
+from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu.fill import core_index
 
 
@@ -30,9 +31,6 @@ class IotaConfig:
     def default(cls, backend: str) -> "IotaConfig":
         return cls(block=None) if backend == "interpret" else cls(block=1024)
 
-
-def default_config(backend: str) -> IotaConfig:
-    return IotaConfig.default(backend)
 
 
 def iota_kernel(o_hbm, o_vmem, *, blocks_per_core, num_cores):
@@ -60,3 +58,6 @@ def iota(n, dtype, *, config: IotaConfig, num_cores: int, interpret):
         interpret=interpret,
     )()
     return out[:n]
+
+
+KERNEL = KernelSpec(run=iota, default_config=IotaConfig.default)

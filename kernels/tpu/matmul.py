@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.blocking import pad_to, round_up
+from torch_pallas.kernels.spec import KernelSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +43,6 @@ class MatmulConfig:
             return cls(block_b=None, block_m=None, block_n=None, block_k=None)
         return cls(block_b=1, block_m=128, block_n=128, block_k=128)
 
-
-def default_config(backend: str) -> MatmulConfig:
-    return MatmulConfig.default(backend)
 
 
 # Through JAX's interpreter (the `interpret` backend) the one-block kernel is
@@ -169,3 +167,7 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
         interpret=interpret,
     )(padded(a, mp, kp, transpose_a), padded(b, kp, np_, transpose_b))
     return out[:batch, :m, :n]
+
+
+KERNEL = KernelSpec(run=matmul, default_config=MatmulConfig.default,
+                    compiler_options=compiler_options)

@@ -20,10 +20,9 @@ class BlockConfig:
 
     block: int = 1024  # elements per program
 
-
-def block_config(backend: str) -> BlockConfig:
-    """`default_config` of the block kernels: the same on every GPU."""
-    return BlockConfig()
+    @classmethod
+    def default(cls, backend: str) -> "BlockConfig":
+        return cls()  # the same on every GPU
 
 
 def interpreting() -> bool:

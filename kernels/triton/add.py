@@ -11,15 +11,13 @@ import triton
 import triton.language as tl
 from torch_pallas.kernels.triton import (
     BlockConfig,
-    block_config,
     direct,
     interpreter_safe_dtype,
 )
+from torch_pallas.kernels.spec import KernelSpec
 
 MAX_DIMS = 4
 
-
-default_config = block_config
 
 
 @triton.jit
@@ -67,3 +65,6 @@ def add(x, y, out_shape, *, config: BlockConfig, wrap=direct):
         BLOCK=config.block, IN_FLOAT32=x.dtype in (torch.float16, torch.bfloat16),
     )
     return out.to(x.dtype)
+
+
+KERNEL = KernelSpec(run=add, default_config=BlockConfig.default)

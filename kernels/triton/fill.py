@@ -10,12 +10,10 @@ import triton
 import triton.language as tl
 from torch_pallas.kernels.triton import (
     BlockConfig,
-    block_config,
     direct,
     interpreter_safe_dtype,
 )
-
-default_config = block_config
+from torch_pallas.kernels.spec import KernelSpec
 
 
 @triton.jit
@@ -37,3 +35,6 @@ def fill(shape, value, dtype, *, config: BlockConfig, device, wrap=direct):
         out, 0.0 if negative_zero else value, n, BLOCK=config.block, NEGATE=negative_zero
     )
     return out.to(dtype)
+
+
+KERNEL = KernelSpec(run=fill, default_config=BlockConfig.default)

@@ -8,12 +8,10 @@ import triton
 import triton.language as tl
 from torch_pallas.kernels.triton import (
     BlockConfig,
-    block_config,
     direct,
     interpreter_safe_dtype,
 )
-
-default_config = block_config
+from torch_pallas.kernels.spec import KernelSpec
 
 
 @triton.jit
@@ -28,3 +26,6 @@ def iota(n, dtype, *, config: BlockConfig, device, wrap=direct):
     out = torch.empty((n,), dtype=interpreter_safe_dtype(dtype), device=device)
     wrap(iota_kernel)[(triton.cdiv(n, config.block),)](out, n, BLOCK=config.block)
     return out.to(dtype)
+
+
+KERNEL = KernelSpec(run=iota, default_config=BlockConfig.default)

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.triton import direct, interpreter_safe_dtype, interpreting
 
 # Autotuning space: Hopper-friendly large tiles with deep pipelines first,
@@ -39,13 +40,9 @@ class MatmulConfig:
     group_m: int = 4
 
     @classmethod
-    def default(cls, backend: str, interpreted: bool = False) -> "MatmulConfig":
+    def default(cls, backend: str) -> "MatmulConfig":
         # The CPU interpreter would spend minutes timing configs.
-        return cls(autotune=not interpreted)
-
-
-def default_config(backend: str) -> MatmulConfig:
-    return MatmulConfig.default(backend, interpreting())
+        return cls(autotune=not interpreting())
 
 
 @triton.jit
@@ -133,3 +130,6 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig, 
             INPUT_PRECISION=precision,
         )
     return c.to(a.dtype)
+
+
+KERNEL = KernelSpec(run=matmul, default_config=MatmulConfig.default)

@@ -12,7 +12,7 @@ import torch
 
 from conftest import record
 from providers import DEVICE, SMOKE, prepare, providers, synchronize
-from torch_pallas import references
+from torch_pallas.ops import matmul as matmul_op
 from torch_pallas.ops.matmul import float32_precision
 
 if SMOKE:  # on a GPU in a 16-bit dtype: mosaic_gpu multiplies float32 only as TF32
@@ -46,9 +46,9 @@ def test_matmul(benchmark, provider, shape, dtype):
     benchmark.group = f"matmul {m}x{k}x{n} {str(dtype).removeprefix('torch.')}"
     out = benchmark(run)
     if provider.kind != "jax":  # a benchmark of a wrong result is worthless
-        ref = references.matmul(a.cpu(), b.cpu())
+        ref = matmul_op.reference(a.cpu(), b.cpu())
         err = (out.cpu().double().reshape(ref.shape) - ref).abs()
-        assert (err <= references.matmul_error_bound(a.cpu(), b.cpu(), ref)).all()
+        assert (err <= matmul_op.error_bound(a.cpu(), b.cpu(), ref)).all()
     record(benchmark, provider, op="matmul", dtype=dtype, shape=shape,
            work=2.0 * m * n * k, unit="GFLOP/s")
 
@@ -79,8 +79,8 @@ def test_matmul_then_gelu(benchmark, provider, shape):
 
     benchmark.group = f"matmul_gelu {m}x{k}x{n} {str(dtype).removeprefix('torch.')}"
     out = benchmark(step)
-    ref = references.matmul(x.cpu(), w.cpu())
-    bound = GELU_SLOPE * references.matmul_error_bound(x.cpu(), w.cpu(), ref)
+    ref = matmul_op.reference(x.cpu(), w.cpu())
+    bound = GELU_SLOPE * matmul_op.error_bound(x.cpu(), w.cpu(), ref)
     err = (out.cpu().double() - torch.nn.functional.gelu(ref)).abs()
     assert (err <= bound + 4 * torch.finfo(dtype).eps * ref.abs()).all()
     record(benchmark, provider, op="matmul_gelu", dtype=dtype, shape=shape,

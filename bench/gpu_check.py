@@ -44,7 +44,9 @@ def gpu_backends() -> list[str]:
 
 def check_ops(backend: str, failures: list[str]) -> None:
     import torch_pallas
-    from torch_pallas import references
+    from torch_pallas import dtypes
+    from torch_pallas.ops import add as add_op
+    from torch_pallas.ops import matmul as matmul_op
 
     dev = "cuda"
 
@@ -77,10 +79,10 @@ def check_ops(backend: str, failures: list[str]) -> None:
             def add(dtype=dtype):
                 x = torch.randn(1000, 999, device=dev, dtype=dtype)
                 y = torch.randn(999, device=dev, dtype=dtype)
-                out, ref = torch.ops.pallas.add(x, y), references.add(x.cpu(), y.cpu())
+                out, ref = torch.ops.pallas.add(x, y), add_op.reference(x.cpu(), y.cpu())
                 err = (out.cpu().double() - ref).abs()
                 expect(f"add (1000,999)+(999,) {dtype}",
-                       bool((err <= references.ROUNDING[dtype] * ref.abs()).all()))
+                       bool((err <= dtypes.ROUNDING[dtype] * ref.abs()).all()))
             run(f"add {dtype}", add)
         cases = [((1, 1), (1, 1)), ((7, 5), (5, 3)), ((1000, 999), (999, 1001)),
                  ((257, 129), (129, 65)), ((3, 100, 70), (70, 50)), ((2, 1, 64, 96), (3, 96, 40))]
@@ -106,8 +108,8 @@ def check_ops(backend: str, failures: list[str]) -> None:
                     for label, (x, w) in {"": (a, b), " b^T": (a, b.mT.contiguous().mT)}.items():
                         with float32_matmul_precision(precision):
                             out = torch.ops.pallas.matmul(x, w)
-                        ref = references.matmul(x.cpu(), w.cpu())
-                        bound = references.matmul_error_bound(x.cpu(), w.cpu(), ref,
+                        ref = matmul_op.reference(x.cpu(), w.cpu())
+                        bound = matmul_op.error_bound(x.cpu(), w.cpu(), ref,
                                                               tf32=precision == "high")
                         err = (out.cpu().double() - ref).abs()
                         expect(f"matmul {a_shape}x{b_shape}{label} {dtype} ({precision})",

@@ -22,12 +22,11 @@ from collections.abc import Callable
 import torch
 
 import torch_pallas
-from torch_pallas import backends, bridge, launch
+from torch_pallas import backends, bridge, compilation, launch, registry
 
 # Tiny sizes for the smoke test of the default test run.
 SMOKE = os.environ.get("TORCH_PALLAS_BENCH_SMOKE") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-SIMULATORS = ("tpu_interpret", "mosaic_gpu_interpret")
 
 
 def synchronize() -> None:
@@ -59,29 +58,21 @@ class Provider:
 
     @property
     def simulated(self) -> bool:
-        return self.backend in SIMULATORS
+        return self.backend is not None and backends.get(self.backend).simulated
 
 
 def providers() -> list[Provider]:
+    """torch, then each backend that runs on this machine's device (Triton's
+    CPU interpreter aside: it times an interpreter), as the torch op and,
+    for the Pallas families, as the bare JAX kernel."""
     found = [Provider("torch", None, "torch")]
-    if DEVICE.type == "cuda":
-        major, _ = torch.cuda.get_device_capability()
-        backends = (["mosaic_gpu"] if major >= 9 else []) + ["triton"]
-    else:
-        backends = ["interpret", *SIMULATORS]
-    for name in backends:
-        found.append(Provider(f"pallas[{name}]", name, "pallas"))
-        if name != "triton":
-            found.append(Provider(f"jax[{name}]", name, "jax"))
+    for b in backends.available(DEVICE.type):
+        if b.family == "triton" and DEVICE.type == "cpu":
+            continue
+        found.append(Provider(f"pallas[{b.name}]", b.name, "pallas"))
+        if b.family != "triton":
+            found.append(Provider(f"jax[{b.name}]", b.name, "jax"))
     return found
-
-
-TORCH_OPS: dict[str, Callable] = {
-    "matmul": torch.matmul,
-    "add": torch.add,
-    "fill": torch.full,
-    "iota": torch.arange,
-}
 
 
 def prepare(provider: Provider, op: str, args: tuple, kwargs=None, kernel_inputs=(),
@@ -92,10 +83,11 @@ def prepare(provider: Provider, op: str, args: tuple, kwargs=None, kernel_inputs
     torch_pallas's); `kernel_inputs` and `kernel_params` what `launch` hands
     the kernel for them (for the jax provider)."""
     kwargs = kwargs or {}
+    info = registry.get(op)
     if provider.kind == "torch":
-        fn = TORCH_OPS[op]
+        fn = info.torch_function
     elif provider.kind == "pallas":
-        pallas_op = getattr(torch_pallas, op)
+        pallas_op = info.function
         backend = provider.backend
         if backend == backends.default_for(DEVICE).name:
             fn = pallas_op  # what a user's call costs: no backend override
@@ -106,7 +98,7 @@ def prepare(provider: Provider, op: str, args: tuple, kwargs=None, kernel_inputs
     else:
         with torch_pallas.backend(provider.backend):
             _, kernel, _ = launch.compiled_kernel(op, DEVICE, kernel_inputs, kernel_params)
-        device = launch.input_device(kernel)
+        device = compilation.input_device(kernel)
         arrays = [bridge.to_jax(t, device) for t in kernel_inputs]
 
         def run():

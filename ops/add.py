@@ -7,8 +7,7 @@ import math
 
 import torch
 
-from torch_pallas import library
-from torch_pallas.launch import launch
+from torch_pallas import dtypes, launch, registration, registry
 from torch_pallas.ops import checks
 
 OP = "pallas::add"
@@ -38,7 +37,7 @@ def add_implementation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     shape = broadcast_shape(x, y)
     if math.prod(shape) == 0:
         return x.new_empty(shape)
-    return launch("add", x.device, (x, y), {"out_shape": tuple(shape)})
+    return launch.run("add", x.device, (x, y), {"out_shape": tuple(shape)})
 
 
 def add_fake(x, y):
@@ -68,9 +67,9 @@ def _jvp(inputs, tangents):
     return torch.broadcast_to(tangent, broadcast_shape(*inputs)).contiguous()
 
 
-add = library.define(
+registration.define(
     OP, add_implementation, fake=add_fake, backward=_backward, setup_context=_setup_context,
-    jvp=_jvp, compile_path=add_implementation,
+    jvp=_jvp, triton_traced=add_implementation,
 )
 
 
@@ -93,3 +92,40 @@ def _vmap(info, in_dims, x, y):
 
 
 torch.library.register_vmap(OP, _vmap)
+
+
+def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + y with broadcasting, like `torch.add` for tensors of one dtype
+    (float32, float16, bfloat16 or int32)."""
+    return torch.ops.pallas.add(x, y)
+
+
+def reference(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x + y in float64 (exact integers for integer dtypes)."""
+    if x.dtype.is_floating_point:
+        return x.double() + y.double()
+    return x.long() + y.long()
+
+
+def examples(device: torch.device, requires_grad: bool) -> list[registry.Example]:
+    """Broadcasts both ways, ragged sizes."""
+    found = []
+    for x_shape, y_shape in (((5, 1, 7), (3, 7)), ((257, 129), (129,))):
+        x = torch.randn(x_shape, device=device, requires_grad=requires_grad)
+        y = torch.randn(y_shape, device=device, requires_grad=requires_grad)
+        ref = reference(x.detach().cpu(), y.detach().cpu())
+        found.append(registry.Example((x, y), {}, ref, dtypes.ROUNDING[x.dtype] * ref.abs()))
+    return found
+
+
+registry.register(registry.OpInfo(
+    name="add",
+    kernels={
+        "tpu": "torch_pallas.kernels.tpu.add",
+        "mosaic_gpu": "torch_pallas.kernels.mosaic_gpu.add",
+        "triton": "torch_pallas.kernels.triton.add",
+    },
+    function=add,
+    torch_function=torch.add,
+    examples=examples,
+))

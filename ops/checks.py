@@ -53,3 +53,13 @@ def factory_device(device) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def caller_device(device):
+    """`device`, or torch's default device as the caller sees it (`with
+    torch.device(...)` included, which the op itself, called inside that
+    mode, no longer sees): for the factory ops' Python functions. Dynamo
+    cannot trace the lookup: a compiled call leaves it to the op."""
+    if device is None and not torch.compiler.is_compiling():
+        return torch.get_default_device()
+    return device

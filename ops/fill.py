@@ -12,8 +12,9 @@ import math
 
 import torch
 
-from torch_pallas import dtypes, library
-from torch_pallas.launch import launch
+from collections.abc import Sequence
+
+from torch_pallas import dtypes, launch, registration, registry
 from torch_pallas.ops import checks
 
 OP = "pallas::fill"
@@ -83,7 +84,7 @@ def fill_implementation(size, value, *, dtype=None, device=None):
     if math.prod(size) == 0 or device.type == "meta":
         return torch.empty(size, dtype=dtype, device=device)
     kernel_dtype = dtypes.COMPUTED_IN_32_BITS.get(dtype, dtype)
-    out = launch(
+    out = launch.run(
         "fill", device,
         params={"shape": size, "value": value, "dtype": dtypes.jax_name(kernel_dtype)},
     )
@@ -96,10 +97,52 @@ def fill_fake(size, value, *, dtype=None, device=None):
     return torch.empty(size, dtype=dtype, device=checks.factory_device(device))
 
 
-fill = library.define(
+registration.define(
     OP,
     fill_implementation,
     schema="(SymInt[] size, Scalar value, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
     fake=fill_fake,
-    compile_path=fill_implementation,
+    triton_traced=fill_implementation,
 )
+
+
+def fill(size: int | Sequence[int], value, *, dtype=None, device=None) -> torch.Tensor:
+    """A new tensor of shape `size` filled with `value`, like `torch.full`.
+
+    The dtype defaults as torch.full's does: bool for a bool value, int64 for
+    an int, the default float dtype for a float. Supported: float32,
+    float16, bfloat16, int32, and int64/float64 for values exact in 32 bits.
+    """
+    if isinstance(size, int):
+        size = (size,)
+    return torch.ops.pallas.fill(size, value, dtype=dtype, device=checks.caller_device(device))
+
+
+def reference(size, value, dtype) -> torch.Tensor:
+    return torch.full(tuple(size), value, dtype=dtype)
+
+
+def examples(device: torch.device, requires_grad: bool) -> list[registry.Example]:
+    """A ragged float fill and an int one (int64 by default); nothing to
+    differentiate."""
+    if requires_grad:
+        return []
+    value = float(torch.randn(()))
+    return [
+        registry.Example(((257, 129), value), {"dtype": torch.float32, "device": device},
+                         reference((257, 129), value, torch.float32), 0.0),
+        registry.Example(((4,), 7), {"device": device}, reference((4,), 7, torch.int64), 0.0),
+    ]
+
+
+registry.register(registry.OpInfo(
+    name="fill",
+    kernels={
+        "tpu": "torch_pallas.kernels.tpu.fill",
+        "mosaic_gpu": "torch_pallas.kernels.mosaic_gpu.fill",
+        "triton": "torch_pallas.kernels.triton.fill",
+    },
+    function=fill,
+    torch_function=torch.full,
+    examples=examples,
+))

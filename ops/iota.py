@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas import dtypes, library
-from torch_pallas.launch import launch
+from torch_pallas import dtypes, launch, registration, registry
 from torch_pallas.ops import checks
 
 OP = "pallas::iota"
@@ -37,7 +36,7 @@ def iota_implementation(n, *, dtype=None, device=None):
         return torch.empty((n,), dtype=dtype, device=device)
     # 64-bit results: count in int32 (exact below 2**31), widen afterwards.
     kernel_dtype = torch.int32 if dtype in dtypes.COMPUTED_IN_32_BITS else dtype
-    out = launch("iota", device, params={"n": n, "dtype": dtypes.jax_name(kernel_dtype)})
+    out = launch.run("iota", device, params={"n": n, "dtype": dtypes.jax_name(kernel_dtype)})
     return out.to(dtype)
 
 
@@ -46,10 +45,44 @@ def iota_fake(n, *, dtype=None, device=None):
     return torch.empty((n,), dtype=dtype, device=checks.factory_device(device))
 
 
-iota = library.define(
+registration.define(
     OP,
     iota_implementation,
     schema="(SymInt n, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
     fake=iota_fake,
-    compile_path=iota_implementation,
+    triton_traced=iota_implementation,
 )
+
+
+def iota(n: int, *, dtype=None, device=None) -> torch.Tensor:
+    """[0, 1, ..., n-1], like `torch.arange(n)` (int64 unless `dtype` says)."""
+    return torch.ops.pallas.iota(n, dtype=dtype, device=checks.caller_device(device))
+
+
+def reference(n: int, dtype) -> torch.Tensor:
+    """Each integer rounded once to `dtype`."""
+    return torch.arange(n, dtype=torch.float64).to(dtype)
+
+
+def examples(device: torch.device, requires_grad: bool) -> list[registry.Example]:
+    """A ragged length in int64 (the default) and in int32."""
+    if requires_grad:
+        return []
+    return [
+        registry.Example((5000,), {"device": device}, reference(5000, torch.int64), 0.0),
+        registry.Example((11,), {"dtype": torch.int32, "device": device},
+                         reference(11, torch.int32), 0.0),
+    ]
+
+
+registry.register(registry.OpInfo(
+    name="iota",
+    kernels={
+        "tpu": "torch_pallas.kernels.tpu.iota",
+        "mosaic_gpu": "torch_pallas.kernels.mosaic_gpu.iota",
+        "triton": "torch_pallas.kernels.triton.iota",
+    },
+    function=iota,
+    torch_function=torch.arange,
+    examples=examples,
+))

@@ -25,8 +25,7 @@ import math
 
 import torch
 
-from torch_pallas import library
-from torch_pallas.launch import launch
+from torch_pallas import dtypes, launch, registration, registry
 from torch_pallas.ops import checks
 
 OP = "pallas::matmul"
@@ -112,7 +111,7 @@ def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     params = {"transpose_a": transpose_a, "transpose_b": transpose_b}
     if a.dtype == torch.float32:
         params["precision"] = float32_precision()
-    out = launch("matmul", a.device, (a3, b3), params)
+    out = launch.run("matmul", a.device, (a3, b3), params)
     return out.reshape(shape)
 
 
@@ -183,36 +182,26 @@ def _flops(a_shape, b_shape, *, out_shape, **kwargs) -> int:
     return 2 * math.prod(out_shape) * a_shape[-1]
 
 
-matmul = library.define(
+registration.define(
     OP, matmul_implementation, fake=matmul_fake, backward=_backward,
-    setup_context=_setup_context, jvp=_jvp, compile_path=matmul_implementation,
+    setup_context=_setup_context, jvp=_jvp, triton_traced=matmul_implementation,
     flops=_flops,
 )
 
 
-def _register_autocast(device_type: str) -> None:
-    """Under torch.autocast, cast floating inputs to the autocast dtype the
-    way torch.matmul is cast (`torch.library.register_autocast` would fix
-    one dtype per device; autocast's dtype is chosen at run time)."""
-    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-    exclude = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+def _autocast_call(device_type: str, a, b):
+    """Under torch.autocast, floating inputs on the autocast device are cast
+    to its autocast dtype the way torch.matmul's are."""
+    dtype = torch.get_autocast_dtype(device_type)
 
-    def autocast_matmul(a, b):
-        dtype = torch.get_autocast_dtype(device_type)
+    def cast(t):
+        eligible = t.is_floating_point() and t.device.type == device_type and t.dtype != torch.float64
+        return t.to(dtype) if eligible else t
 
-        def cast(t):
-            eligible = t.is_floating_point() and t.device.type == device_type and t.dtype != torch.float64
-            return t.to(dtype) if eligible else t
-
-        with torch._C._ExcludeDispatchKeyGuard(exclude):
-            return torch.ops.pallas.matmul(cast(a), cast(b))
-
-    _autocast_library.impl("matmul", autocast_matmul, key)
+    return torch.ops.pallas.matmul(cast(a), cast(b))
 
 
-_autocast_library = torch.library.Library("pallas", "IMPL")
-for _device_type in ("cpu", "cuda"):
-    _register_autocast(_device_type)
+registration.register_autocast(OP, _autocast_call)
 
 
 def _vmap(info, in_dims, a, b):
@@ -244,3 +233,59 @@ def _vmap(info, in_dims, a, b):
 
 
 torch.library.register_vmap(OP, _vmap)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The matrix product with `torch.matmul`'s semantics (1-D operands,
+    broadcast batch dimensions), accumulated in float32 and returned in the
+    operands' dtype (float32, float16 or bfloat16). Differentiable; cast
+    by torch.autocast like torch.matmul."""
+    return torch.ops.pallas.matmul(a, b)
+
+
+def reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.matmul in float64."""
+    return a.double() @ b.double()
+
+
+# What rounding a Tensor Core input costs: TF32 for float32, when torch allows it.
+TF32_INPUT = 2.0**-11
+
+
+def error_bound(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor,
+                tf32: bool = False) -> torch.Tensor:
+    """Elementwise bound on |pallas - ref| for a float32-accumulated product
+    in a's dtype: float32 accumulation, one rounding of the output and, with
+    `tf32` (float32 at torch's 'high' precision), the inputs rounded to TF32;
+    16-bit inputs are exact in float32."""
+    k = a.shape[-1]
+    magnitude = a.double().abs() @ b.double().abs()
+    accumulate = k * 2.0**-24 * magnitude
+    inputs = 2 * TF32_INPUT * magnitude if tf32 and a.dtype == torch.float32 else 0
+    finfo = torch.finfo(a.dtype)
+    output = dtypes.ROUNDING[a.dtype] * ref.abs() + finfo.tiny * finfo.eps  # subnormals too
+    return inputs + accumulate + output
+
+
+def examples(device: torch.device, requires_grad: bool) -> list[registry.Example]:
+    """A ragged product and a batch against one matrix."""
+    found = []
+    for a_shape, b_shape in (((9, 13), (13, 6)), ((2, 37, 70), (70, 21))):
+        a = torch.randn(a_shape, device=device, requires_grad=requires_grad)
+        b = torch.randn(b_shape, device=device, requires_grad=requires_grad)
+        ref = reference(a.detach().cpu(), b.detach().cpu())
+        found.append(registry.Example((a, b), {}, ref, error_bound(a.detach().cpu(), b.detach().cpu(), ref)))
+    return found
+
+
+registry.register(registry.OpInfo(
+    name="matmul",
+    kernels={
+        "tpu": "torch_pallas.kernels.tpu.matmul",
+        "mosaic_gpu": "torch_pallas.kernels.mosaic_gpu.matmul",
+        "triton": "torch_pallas.kernels.triton.matmul",
+    },
+    function=matmul,
+    torch_function=torch.matmul,
+    examples=examples,
+))

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas.kernels import triton as triton_kernels
+from torch_pallas import backends
 
 # Every backend that runs on this machine's CPU (Triton's under its
 # interpreter, which conftest.py turns on where there is no GPU).
-CPU_BACKENDS = ("interpret", "tpu_interpret", "mosaic_gpu_interpret") + (
-    ("triton",) if triton_kernels.interpreting() else ()
-)
+CPU_BACKENDS = tuple(b.name for b in backends.available("cpu"))
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -41,3 +39,8 @@ def random_tensor(shape, dtype, scale: float = 1.0) -> torch.Tensor:
     if dtype.is_floating_point:
         return (torch.randn(shape, dtype=torch.float32) * scale).to(dtype)
     return torch.randint(-1000, 1000, shape, dtype=dtype)
+
+
+def shares_memory(tensor: torch.Tensor, array) -> bool:
+    """Whether `tensor` and the JAX `array` are one buffer (zero copy)."""
+    return tensor.data_ptr() == array.unsafe_buffer_pointer()

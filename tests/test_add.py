@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import references
+from torch_pallas.ops import add as add_op
+from torch_pallas import dtypes
 from helpers import assert_within, random_tensor, FLOAT_DTYPES
 
 DTYPES = (*FLOAT_DTYPES, torch.int32)
@@ -23,7 +24,7 @@ SHAPES = [  # (x shape, y shape)
 
 
 def rounding(dtype) -> float:
-    return references.ROUNDING.get(dtype, 0.0)
+    return dtypes.ROUNDING.get(dtype, 0.0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -31,7 +32,7 @@ def rounding(dtype) -> float:
 def test_add_matches_reference(cpu_backend, x_shape, y_shape, dtype):
     x, y = random_tensor(x_shape, dtype), random_tensor(y_shape, dtype)
     out = torch.ops.pallas.add(x, y)
-    ref = references.add(x, y)
+    ref = add_op.reference(x, y)
     assert out.dtype == dtype
     # One rounding of the exact sum, as torch.add does.
     assert_within(out, ref, rounding(dtype) * ref.abs(), f"add {x_shape}+{y_shape} {dtype}")
@@ -40,7 +41,7 @@ def test_add_matches_reference(cpu_backend, x_shape, y_shape, dtype):
 @pytest.mark.slow
 def test_add_large(cpu_backend):
     x, y = random_tensor((1000, 1001), torch.float32), random_tensor((1001,), torch.float32)
-    ref = references.add(x, y)
+    ref = add_op.reference(x, y)
     assert_within(torch.ops.pallas.add(x, y), ref, rounding(torch.float32) * ref.abs())
 
 

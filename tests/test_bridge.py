@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import torch_pallas
+from helpers import shares_memory
 from torch_pallas import bridge, compile_cache
 
 
 def test_contiguous_tensors_cross_without_copies():
     t = torch.randn(64, 33)
     a = bridge.to_jax(t)
-    assert bridge.shares_memory(t, a)
+    assert shares_memory(t, a)
     back = bridge.to_torch(a)
     assert back.data_ptr() == t.data_ptr()
     torch.testing.assert_close(back, t)
@@ -30,7 +31,7 @@ def test_kernel_output_reaches_torch_without_a_copy():
     jnp = jax_env.jax().numpy
     out = jnp.arange(1000, dtype=jnp.float32) * 2
     t = bridge.to_torch(out)
-    assert bridge.shares_memory(t, out)
+    assert shares_memory(t, out)
     assert torch.equal(t, torch.arange(1000, dtype=torch.float32) * 2)
 
 
@@ -134,12 +135,12 @@ def test_first_call_imports_jax_without_gpu_preallocation():
 def test_repeated_calls_reuse_the_compiled_kernel():
     a, b = torch.randn(21, 11), torch.randn(11, 5)
     torch.ops.pallas.matmul(a, b)
-    builds = compile_cache.kernels.builds
+    builds = compile_cache.compiled.builds
     for _ in range(3):
         torch.ops.pallas.matmul(torch.randn(21, 11), torch.randn(11, 5))
-    assert compile_cache.kernels.builds == builds
+    assert compile_cache.compiled.builds == builds
     torch.ops.pallas.matmul(torch.randn(22, 11), b)  # a new shape is a new kernel
-    assert compile_cache.kernels.builds == builds + 1
+    assert compile_cache.compiled.builds == builds + 1
 
 
 def test_compile_cache_is_bounded_and_clearable():
@@ -153,7 +154,7 @@ def test_compile_cache_is_bounded_and_clearable():
     cache.clear()
     assert len(cache) == 0 and cache.recall("call") is None
     torch_pallas.clear_cache()
-    assert compile_cache.size() == 0
+    assert len(compile_cache.compiled) == 0
 
 
 def test_compile_cache_drops_the_least_recently_used_kernel():

@@ -84,10 +84,10 @@ def test_signed_zeros_and_nan_each_get_their_own_kernel():
         assert torch.equal(torch.ops.pallas.fill((3,), first).signbit(), torch.full((3,), first).signbit())
         assert torch.equal(torch.ops.pallas.fill((3,), second).signbit(), torch.full((3,), second).signbit())
     torch.ops.pallas.fill((5,), float("nan"))
-    builds = compile_cache.kernels.builds
+    builds = compile_cache.compiled.builds
     for _ in range(3):
         assert torch.ops.pallas.fill((5,), float("nan")).isnan().all()
-    assert compile_cache.kernels.builds == builds
+    assert compile_cache.compiled.builds == builds
 
 
 def test_a_cuda_device_without_index_means_the_current_one(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import references
+from torch_pallas.ops import iota as iota_op
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)
 
@@ -18,7 +18,7 @@ def test_iota_matches_torch_arange(cpu_backend, n, dtype):
     assert out.dtype == dtype
     # Each integer rounded once to dtype. (torch.arange in bfloat16 rounds
     # some values past 4096 differently: 4113 -> 4096 where 4128 is nearest.)
-    assert torch.equal(out, references.iota(n, dtype))
+    assert torch.equal(out, iota_op.reference(n, dtype))
     if dtype != torch.bfloat16:
         assert torch.equal(out, torch.arange(n, dtype=dtype))
 

@@ -3,16 +3,18 @@ torch.matmul's semantics, layouts, gradients, autocast, dynamic shapes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import backends, bridge, compile_cache, references
+from torch_pallas import backends, bridge, compile_cache, registry
 from torch_pallas.kernels.mosaic_gpu import matmul as mosaic_matmul
 from torch_pallas.kernels.tpu import matmul as tpu_matmul
 from torch_pallas.ops import matmul as matmul_op
 from torch_pallas.ops.matmul import as_kernel_operand
-from helpers import FLOAT_DTYPES, assert_within, random_tensor
+from helpers import FLOAT_DTYPES, assert_within, random_tensor, shares_memory
 
 SHAPES = [  # (M, K, N): tiny, ragged everywhere, exact tiles, K not a tile multiple
     (1, 1, 1),
@@ -25,10 +27,10 @@ SHAPES = [  # (M, K, N): tiny, ragged everywhere, exact tiles, K not a tile mult
 
 def check_matmul(a, b):
     out = torch.ops.pallas.matmul(a, b)
-    ref = references.matmul(a, b)
+    ref = matmul_op.reference(a, b)
     assert out.dtype == a.dtype and out.device == a.device
     assert out.shape == torch.matmul(a, b).shape
-    assert_within(out, ref, references.matmul_error_bound(a, b, ref),
+    assert_within(out, ref, matmul_op.error_bound(a, b, ref),
                   f"matmul {tuple(a.shape)}x{tuple(b.shape)} {a.dtype}")
 
 
@@ -84,8 +86,10 @@ def test_matmul_many_rows_float32(transposed):
 
 def test_unknown_compiler_options_fall_back(monkeypatch):
     """An XLA that does not know a kernel's options compiles without them."""
-    monkeypatch.setattr(tpu_matmul, "compiler_options",
-                        lambda *args: {"xla_cpu_no_such_option_here": True})
+    options = {"xla_cpu_no_such_option_here": True}
+    unknown = dataclasses.replace(tpu_matmul.KERNEL, compiler_options=lambda *args: options)
+    monkeypatch.setattr(tpu_matmul, "KERNEL", unknown)
+    monkeypatch.setitem(registry._loaded, tpu_matmul.__name__, unknown)  # if loaded already
     compile_cache.clear()
     try:
         with torch_pallas.backend("interpret"):
@@ -143,10 +147,11 @@ def test_tensor_cores_refuse_full_float32_clearly(float32_matmul_precision):
     """mosaic_gpu multiplies float32 only as TF32: at 'highest' an automatic
     choice of it falls back to Triton, an explicit one raises, naming why."""
     avals = (((1, 8, 8), "float32"), ((1, 8, 8), "float32"))
-    reason = mosaic_matmul.unsupported("mosaic_gpu", avals, {"precision": "ieee"})
+    kernel = mosaic_matmul.KERNEL
+    reason = kernel.refusal("mosaic_gpu", avals, {"precision": "ieee"})
     assert "TF32" in reason and "fp32_precision = 'tf32'" in reason
-    assert mosaic_matmul.unsupported("mosaic_gpu", avals, {"precision": "tf32"}) is None
-    assert mosaic_matmul.unsupported("mosaic_gpu_interpret", avals, {"precision": "ieee"}) is None
+    assert kernel.refusal("mosaic_gpu", avals, {"precision": "tf32"}) is None
+    assert kernel.refusal("mosaic_gpu_interpret", avals, {"precision": "ieee"}) is None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     mosaic_gpu = backends.get("mosaic_gpu")
     assert backends.fall_back(device, "pallas::matmul", mosaic_gpu, reason).name == "triton"
@@ -166,7 +171,7 @@ def test_transposed_operands_reach_the_kernel_without_a_copy():
     w = random_tensor((50, 70), torch.float32)
     operand, transposed = as_kernel_operand(w.t(), batch=())
     assert transposed and operand.data_ptr() == w.data_ptr()
-    assert bridge.shares_memory(operand, bridge.to_jax(operand))
+    assert shares_memory(operand, bridge.to_jax(operand))
     x = random_tensor((4, 6, 70), torch.float32)
     operand, transposed = as_kernel_operand(x.mT, batch=(4,))
     assert transposed and operand.data_ptr() == x.data_ptr()
@@ -244,8 +249,8 @@ def test_autocast_casts_like_torch_matmul(dtype):
         out = torch.ops.pallas.matmul(a, b)
         expected = torch.matmul(a, b)
     assert out.dtype == expected.dtype == dtype
-    ref = references.matmul(a.to(dtype), b.to(dtype))
-    assert_within(out, ref, references.matmul_error_bound(a.to(dtype), b.to(dtype), ref))
+    ref = matmul_op.reference(a.to(dtype), b.to(dtype))
+    assert_within(out, ref, matmul_op.error_bound(a.to(dtype), b.to(dtype), ref))
 
 
 def test_autocast_gradients_flow_to_float32_leaves():

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_pallas
-from torch_pallas import references
+from torch_pallas.ops import matmul as matmul_op
+from torch_pallas import dtypes
 from helpers import FLOAT_DTYPES, assert_within
 
 # (torch.testing._internal needs expecttest, which the test extra installs)
@@ -38,11 +39,11 @@ def test_torch_sample_inputs(cpu_backend, dtype):
             b = args[0]
             out, expected = torch.ops.pallas.matmul(x, b), torch.matmul(x, b)
         assert out.shape == expected.shape and out.dtype == expected.dtype, what
-        ref = references.matmul(x, b)
-        bound = references.matmul_error_bound(x, b, ref) if ref.numel() else 0.0
+        ref = matmul_op.reference(x, b)
+        bound = matmul_op.error_bound(x, b, ref) if ref.numel() else 0.0
         if name == "nn.functional.linear" and len(args) > 1:
             ref = ref + args[1].double()
-            bound = bound + 2 * references.ROUNDING[dtype] * ref.abs()
+            bound = bound + 2 * dtypes.ROUNDING[dtype] * ref.abs()
         assert_within(out, ref, bound, what)
         checked += 1
     assert checked >= 50  # the sample set is PyTorch's: make sure it was found

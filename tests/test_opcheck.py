@@ -1,39 +1,31 @@
 """torch.library.opcheck (schema, fake, autograd registration, AOT dispatch)
-for every op, on every CPU backend, with and without requires_grad."""
+for every registered op, on every CPU backend, with and without
+requires_grad."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-
-def op_samples(requires_grad: bool):
-    def t(*shape):
-        return torch.randn(*shape, requires_grad=requires_grad)
-
-    return [
-        ("add", torch.ops.pallas.add.default, (t(5, 1, 7), t(3, 7)), {}),
-        ("matmul", torch.ops.pallas.matmul.default, (t(9, 13), t(13, 6)), {}),
-    ]
-
-
-FACTORY_SAMPLES = [
-    ("fill", torch.ops.pallas.fill.default, ((3, 5), 1.5), {"dtype": torch.float32}),
-    ("fill-int", torch.ops.pallas.fill.default, ((4,), 7), {}),
-    ("iota", torch.ops.pallas.iota.default, (11,), {"dtype": torch.int32}),
-    ("iota-int64", torch.ops.pallas.iota.default, (6,), {}),
-]
+from torch_pallas import registry
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
-def test_opcheck_tensor_ops(cpu_backend, requires_grad):
-    for name, op, args, kwargs in op_samples(requires_grad):
-        torch.library.opcheck(op, args, kwargs)
+@pytest.mark.parametrize("info", registry.ops(), ids=lambda info: info.name)
+def test_opcheck_every_op(cpu_backend, info, requires_grad):
+    """Every registered op's examples (ops/<op>.py), with and without
+    requires_grad (factory ops have no tensor inputs: no gradient case)."""
+    examples = info.examples(torch.device("cpu"), requires_grad)
+    assert examples or requires_grad, f"{info.name} has no examples"
+    for example in examples:
+        torch.library.opcheck(info.overload, example.args, dict(example.kwargs))
 
 
-@pytest.mark.parametrize("name,op,args,kwargs", FACTORY_SAMPLES, ids=[s[0] for s in FACTORY_SAMPLES])
-def test_opcheck_factory_ops(cpu_backend, name, op, args, kwargs):
-    torch.library.opcheck(op, args, kwargs)
+@pytest.mark.parametrize("info", registry.ops(), ids=lambda info: info.name)
+def test_examples_match_their_references(cpu_backend, info):
+    for example in info.examples(torch.device("cpu"), False):
+        err, within = example.error(info.overload(*example.args, **example.kwargs))
+        assert within, f"{info.name}{example.args}: max |error| {err:.3g} past the bound"
 
 
 def test_dispatch_modes_see_every_call():

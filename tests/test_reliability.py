@@ -65,9 +65,7 @@ def test_bad_input_is_refused_clearly_before_any_kernel(monkeypatch, call, error
     def no_kernel(*args, **kwargs):
         raise AssertionError("a kernel was reached")
 
-    monkeypatch.setattr(launch, "launch", no_kernel)
-    for name in ("add", "fill", "iota", "matmul"):
-        monkeypatch.setattr(f"torch_pallas.ops.{name}.launch", no_kernel)
+    monkeypatch.setattr(launch, "run", no_kernel)  # every op calls its kernel through it
     with pytest.raises(error) as info:
         call()
     message = str(info.value)
@@ -108,47 +106,42 @@ def test_awkward_layouts_give_right_results(make):
     torch.testing.assert_close(P.add(x, x[..., :1]), x + x[..., :1])
 
 
-def out_of_bounds_kernels():
-    """A kernel module whose `add` reads past its input's edge, which Mosaic
-    GPU interpret mode reports by raising inside the simulated kernel."""
+def out_of_bounds_kernel():
+    """A Mosaic GPU `add` kernel that reads past its input's edge, which
+    Mosaic GPU interpret mode reports by raising inside the simulated kernel."""
     import jax
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from torch_pallas.kernels.mosaic_gpu import add as real_add
+    from torch_pallas.kernels.spec import KernelSpec
 
-    class OutOfBounds:
-        default_config = staticmethod(real_add.default_config)
+    def add(x, y, out_shape, *, config, interpret):
+        def body(x_gmem, o_gmem):
+            o_gmem[...] = x_gmem[pl.ds(0, 256)]  # x holds fewer
 
-        @staticmethod
-        def add(x, y, out_shape, *, config, interpret):
-            def body(x_gmem, o_gmem):
-                o_gmem[...] = x_gmem[pl.ds(0, 256)]  # x holds fewer
+        return plgpu.kernel(
+            body, out_type=jax.ShapeDtypeStruct((256,), x.dtype), interpret=interpret
+        )(x.reshape(-1))
 
-            return plgpu.kernel(
-                body, out_type=jax.ShapeDtypeStruct((256,), x.dtype), interpret=interpret
-            )(x.reshape(-1))
-
-    return OutOfBounds
+    return KernelSpec(run=add, default_config=real_add.KERNEL.default_config)
 
 
 def test_a_failed_simulated_kernel_leaves_the_process_healthy(monkeypatch):
     """After a simulated kernel fails, the simulator's state is reset (the
     failure leaves it allocated) and the next calls succeed."""
-    from torch_pallas import jax_env
+    from torch_pallas import jax_env, registry
 
-    real_module = launch.kernel_module
-    monkeypatch.setattr(
-        launch, "kernel_module",
-        lambda family, op: out_of_bounds_kernels() if op == "add" else real_module(family, op),
-    )
+    module = registry.get("add").kernels["mosaic_gpu"]
+    real_kernel = registry.get("add").kernel(torch_pallas.BACKENDS["mosaic_gpu_interpret"])
+    monkeypatch.setitem(registry._loaded, module, out_of_bounds_kernel())
     x, y = torch.randn(300, 7), torch.randn(7)
     try:
         with torch_pallas.backend("mosaic_gpu_interpret"):
             with pytest.raises(Exception, match="Out-of-bounds read"):
                 P.add(torch.randn(77), torch.randn(77))
             assert jax_env._gpu_callbacks()._shared_memory is None  # reset
-            monkeypatch.setattr(launch, "kernel_module", real_module)
+            registry._loaded[module] = real_kernel
             torch.testing.assert_close(P.add(x, y), x + y)
             torch.testing.assert_close(P.matmul(x.t(), x), x.t() @ x, rtol=1e-4, atol=1e-4)
     finally:
@@ -157,7 +150,7 @@ def test_a_failed_simulated_kernel_leaves_the_process_healthy(monkeypatch):
 
 def test_threads_get_right_results_and_compile_each_kernel_once():
     compile_cache.clear()
-    builds = compile_cache.kernels.builds
+    builds = compile_cache.compiled.builds
     shapes = [(5 + i % 4, 9, 3 + i % 3) for i in range(64)]
 
     def work(shape):
@@ -171,7 +164,7 @@ def test_threads_get_right_results_and_compile_each_kernel_once():
         assert all(pool.map(work, shapes))
     distinct = {(m, n) for m, _, n in shapes}
     # one matmul and one add kernel per distinct shape, however many threads
-    assert compile_cache.kernels.builds - builds == 2 * len(distinct)
+    assert compile_cache.compiled.builds - builds == 2 * len(distinct)
 
 
 def test_threads_on_a_simulator_serialise_safely():
@@ -203,7 +196,7 @@ def test_many_calls_do_not_grow_memory():
 
 
 def test_compile_cache_size_is_bounded():
-    assert compile_cache.kernels.max_entries == compile_cache.MAX_ENTRIES
+    assert compile_cache.compiled.max_entries == compile_cache.MAX_ENTRIES
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

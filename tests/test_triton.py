@@ -143,12 +143,12 @@ def test_float32_matmul_precision_on_cuda():
     """At torch's default 'highest' precision float32 products are full
     float32 (the default backend runs Triton's IEEE kernel; mosaic_gpu,
     TF32 only, refuses when asked by name); at 'high' both may use TF32."""
-    from torch_pallas import references
+    from torch_pallas.ops import matmul as matmul_op
 
     a = torch.randn(300, 1000, device="cuda")
     b = torch.randn(1000, 170, device="cuda")
-    ref = references.matmul(a.cpu(), b.cpu())
-    bound = references.matmul_error_bound(a.cpu(), b.cpu(), ref)
+    ref = matmul_op.reference(a.cpu(), b.cpu())
+    bound = matmul_op.error_bound(a.cpu(), b.cpu(), ref)
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("highest")
@@ -158,7 +158,7 @@ def test_float32_matmul_precision_on_cuda():
             with torch_pallas.backend("mosaic_gpu"), pytest.raises(RuntimeError, match="TF32"):
                 torch.ops.pallas.matmul(a, b)
         torch.set_float32_matmul_precision("high")
-        tf32_bound = references.matmul_error_bound(a.cpu(), b.cpu(), ref, tf32=True)
+        tf32_bound = matmul_op.error_bound(a.cpu(), b.cpu(), ref, tf32=True)
         for backend in ("triton", "mosaic_gpu") if torch.cuda.get_device_capability()[0] >= 9 else ("triton",):
             with torch_pallas.backend(backend):
                 for w in (b, b.t().contiguous().t()):  # B as given, and transposed in memory

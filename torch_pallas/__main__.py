@@ -1,11 +1,13 @@
 """`python -m torch_pallas`: what this machine has, which backend each op
-uses, and one checked call of every op.
+uses, and checked calls of every op.
 
-Prints the versions and devices, then runs every op once on the default
-device (or on each backend given with --backend) against its float64
-reference and prints a table: op, backend, max |error|, whether it is
-within the error bound, the first call's time (compiling) and a later one's.
-Exits 1 if any op is wrong.
+Prints the versions and devices, then runs the example calls of every op
+(torch_pallas.registry) on the default device (or on each backend given with
+--backend) against their float64 references and prints a table: op,
+backend, max |error|, status, the first round's time (compiling) and a later
+one's. A backend that cannot run here, or an op without a kernel for it, gets
+its row with the reason. Exits 1 if an op that should run failed or was
+wrong.
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ import time
 import torch
 
 import torch_pallas
-from torch_pallas import backends, jax_env, references
-
-OPS = ("fill", "iota", "add", "matmul")
+from torch_pallas import backends, jax_env, registry
+from torch_pallas.errors import BackendError
 
 
 def version(package: str) -> str:
@@ -62,28 +63,41 @@ def cpu_threads() -> str:
     return line
 
 
-def check_op(op: str, device: torch.device) -> tuple[float, bool]:
-    """Runs `op` once on random inputs; returns (max |error|, within bound)."""
-    if op == "fill":
-        out = torch.ops.pallas.fill((257, 129), 3.25, dtype=torch.float32, device=device)
-        ref = references.fill((257, 129), 3.25, torch.float32)
-        bound = 0.0
-    elif op == "iota":
-        out = torch.ops.pallas.iota(5000, device=device)
-        ref = references.iota(5000, torch.int64)
-        bound = 0.0
-    elif op == "add":
-        x = torch.randn(257, 129, device=device)
-        y = torch.randn(129, device=device)
-        out, ref = torch.ops.pallas.add(x, y), references.add(x.cpu(), y.cpu())
-        bound = references.ROUNDING[torch.float32] * ref.abs()
-    else:
-        a = torch.randn(257, 300, device=device)
-        b = torch.randn(300, 65, device=device)
-        out, ref = torch.ops.pallas.matmul(a, b), references.matmul(a.cpu(), b.cpu())
-        bound = references.matmul_error_bound(a.cpu(), b.cpu(), ref)
-    err = (out.cpu().double() - ref.double()).abs()
-    return err.max().item(), bool((err <= bound).all())
+def check_op(info: registry.OpInfo, examples: list[registry.Example]) -> tuple[float, bool]:
+    """Runs the op's examples; returns (max |error|, all within bounds)."""
+    worst, ok = 0.0, True
+    for example in examples:
+        out = info.overload(*example.args, **example.kwargs)
+        err, within = example.error(out)
+        worst, ok = max(worst, err), ok and within
+    return worst, ok
+
+
+def report_op(info: registry.OpInfo, device: torch.device) -> tuple[tuple, bool]:
+    """(table row, whether it counts as a failure) for one op on the backend
+    in effect."""
+    try:
+        backend = backends.select(device, info.qualified_name)
+    except BackendError as e:  # this backend cannot run here: said, not failed
+        requested = backends.requested() or backends.default_for(device).name
+        reason = str(e).removeprefix(f"{info.qualified_name}: ")
+        return (info.name, requested, "-", f"unavailable: {reason}", "-", "-"), False
+    if not info.serves(backend):
+        return (info.name, backend.name, "-",
+                f"no {backend.family} kernel (implemented for {', '.join(info.families)})",
+                "-", "-"), False
+    times = []
+    try:
+        examples = info.examples(device, False)
+        for _ in range(2):  # the first round compiles
+            start = time.perf_counter()
+            err, within = check_op(info, examples)
+            times.append(f"{(time.perf_counter() - start) * 1e3:.1f} ms")
+        status = "ok" if within else "WRONG"
+    except Exception as e:  # report every op, then fail
+        err, within, status = float("nan"), False, f"error: {type(e).__name__}: {e}"
+        times += ["-"] * (2 - len(times))
+    return (info.name, backend.name, f"{err:.3g}", status.splitlines()[0], *times), not within
 
 
 def main(argv=None) -> int:
@@ -94,32 +108,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report_environment(device)
-    names = args.backend or [None]
 
-    rows, ok = [], True
-    for name in names:
+    rows, failed = [], False
+    for name in args.backend or [None]:
         with torch_pallas.backend(name):
-            for op in OPS:
-                backend = backends.select(device, f"pallas::{op}").name
-                times = []
-                try:
-                    for _ in range(2):  # the first call compiles
-                        start = time.perf_counter()
-                        err, within = check_op(op, device)
-                        times.append(f"{(time.perf_counter() - start) * 1e3:.1f} ms")
-                    status = "ok" if within else "WRONG"
-                except Exception as e:  # report every op, then fail
-                    err, within, status = float("nan"), False, f"error: {e}"
-                    times += ["-"] * (2 - len(times))
-                ok &= within
-                rows.append((op, backend, f"{err:.3g}", status, *times))
+            for info in registry.ops():
+                row, failure = report_op(info, device)
+                rows.append(row)
+                failed |= failure
 
     header = ("op", "backend", "max |error|", "status", "first call", "time")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print()
     for row in [header, tuple("-" * w for w in widths), *rows]:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
-    return 0 if ok else 1
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

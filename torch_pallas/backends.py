@@ -26,9 +26,12 @@ import dataclasses
 import functools
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
+from torch_pallas import jax_env
+from torch_pallas.errors import BackendError
 from torch_pallas.kernels import triton as triton_kernels  # no `import triton` here
 
 ENV_VAR = "TORCH_PALLAS_BACKEND"
@@ -36,36 +39,54 @@ ENV_VAR = "TORCH_PALLAS_BACKEND"
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
+    """A kernel family and the way this backend runs it."""
+
     name: str
     family: str  # the folder under kernels/ holding its kernels
     device_type: str  # the torch device type it serves
-    simulated: bool  # runs hardware kernels in a CPU simulator
-    description: str
+    simulated: bool  # runs hardware kernels in a CPU simulator (one at a time)
+
+    def execution(self, *, device: torch.device, takes_inputs: bool,
+                  detect_races: bool = False) -> dict[str, Any]:
+        """The keywords that tell a kernel of this family how it runs here
+        (kernels/spec.py): `interpret=` and the TensorCore count for the
+        TPU kernels, `interpret=` for the Mosaic GPU ones, the device for
+        Triton kernels that take no tensor."""
+        if self.name == "interpret":
+            jax_env.simulate_tpu_on_cpu()
+            # One TensorCore: JAX's generic interpreter has no core axis to bind.
+            return {"interpret": True, "num_cores": 1}
+        if self.name == "tpu_interpret":
+            jax_env.simulate_tpu_on_cpu()
+            return {"interpret": jax_env.tpu_interpret_params(detect_races=detect_races),
+                    "num_cores": jax_env.SIMULATED_TPU_CORES}
+        if self.name == "mosaic_gpu_interpret":
+            return {"interpret": jax_env.gpu_interpret_params(detect_races=detect_races)}
+        if self.family == "triton":
+            return {} if takes_inputs else {"device": device}
+        return {"interpret": None}  # the hardware
+
+    def compiles_for_calling_thread(self, device: torch.device) -> bool:
+        """Whether small kernels are compiled for the synchronous JAX CPU
+        client (jax_env.synchronous_cpu_device), which runs them on the
+        calling thread instead of waking JAX's worker."""
+        return self.name == "interpret" and device.type == "cpu"
 
 
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("interpret", "tpu", "cpu", False,
-                "TPU kernels in JAX's generic interpreter, CPU-sized blocks"),
-        Backend("mosaic_gpu_interpret", "mosaic_gpu", "cpu", True,
-                "Mosaic GPU kernels in Mosaic GPU interpret mode"),
-        Backend("tpu_interpret", "tpu", "cpu", True,
-                "TPU kernels in TPU interpret mode, 2 TensorCores"),
-        Backend("mosaic_gpu", "mosaic_gpu", "cuda", False,
-                "Mosaic GPU kernels on a Hopper (sm90+) GPU"),
-        Backend("triton", "triton", "cuda", False,
-                "Triton kernels (CUDA; CPU under TRITON_INTERPRET=1)"),
+        Backend("interpret", "tpu", "cpu", simulated=False),
+        Backend("mosaic_gpu_interpret", "mosaic_gpu", "cpu", simulated=True),
+        Backend("tpu_interpret", "tpu", "cpu", simulated=True),
+        Backend("mosaic_gpu", "mosaic_gpu", "cuda", simulated=False),
+        Backend("triton", "triton", "cuda", simulated=False),
     )
 }
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "torch_pallas_backend", default=None
 )
-
-
-class BackendError(RuntimeError):
-    """A backend that cannot serve a call, or one that does not exist."""
 
 
 def get(name: str) -> Backend:
@@ -103,10 +124,12 @@ def _cuda_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 @functools.cache
 def _jax_has_gpu() -> bool:
-    from torch_pallas import jax_env
-
     try:
         return bool(jax_env.jax().devices("gpu"))
     except RuntimeError:
@@ -118,10 +141,21 @@ def default_for(device: torch.device) -> Backend:
     Hopper and newer when JAX has a GPU backend, else triton (an automatic
     choice falls back; an explicit one never does)."""
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, _ = _cuda_capability(index)
+        major, _ = _cuda_capability(_cuda_index(device))
         return BACKENDS["mosaic_gpu" if major >= 9 and _jax_has_gpu() else "triton"]
     return BACKENDS["interpret"]
+
+
+def available(device_type: str) -> list[Backend]:
+    """The backends that can run on this machine's `device_type` tensors
+    (the benchmarks time each): on CUDA the device's own, on CPU the
+    interpreter and both simulators (and Triton's interpreter when it is
+    on)."""
+    if device_type == "cuda":
+        major, _ = _cuda_capability(torch.cuda.current_device())
+        return [BACKENDS[n] for n in (["mosaic_gpu"] if major >= 9 else []) + ["triton"]]
+    names = ["interpret", "tpu_interpret", "mosaic_gpu_interpret"]
+    return [BACKENDS[n] for n in names + (["triton"] if triton_kernels.interpreting() else [])]
 
 
 def check_serves(b: Backend, device: torch.device, op: str) -> None:
@@ -139,8 +173,7 @@ def check_serves(b: Backend, device: torch.device, op: str) -> None:
             f"got a tensor on {device}"
         )
     if b.name == "mosaic_gpu":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = _cuda_capability(index)
+        major, minor = _cuda_capability(_cuda_index(device))
         if major < 9:
             raise BackendError(
                 f"{op}: backend 'mosaic_gpu' needs compute capability 9.0+ "
@@ -149,8 +182,9 @@ def check_serves(b: Backend, device: torch.device, op: str) -> None:
 
 
 def fall_back(device: torch.device, op: str, backend: Backend, reason: str) -> Backend:
-    """The backend for a call `backend` cannot run (`reason`): an automatic
-    choice falls back to triton; an explicit request raises."""
+    """The backend for a call `backend` cannot run (`reason`, a sentence
+    after the backend's name): an automatic choice falls back to triton; an
+    explicit request raises."""
     if requested() is not None:
         raise BackendError(f"{op}: backend {backend.name!r} {reason}")
     fallback = BACKENDS["triton"]
@@ -164,3 +198,26 @@ def select(device: torch.device, op: str) -> Backend:
     b = get(name) if name is not None else default_for(device)
     check_serves(b, device, op)
     return b
+
+
+def traces_to_triton(device: torch.device) -> bool:
+    """Whether torch.compile traces calls on `device` into the ops' Triton
+    kernels (torch_pallas/compile_path.py): on CUDA; elsewhere an op stays
+    one opaque call."""
+    return device.type == "cuda"
+
+
+@functools.cache
+def jax_device(device: torch.device):
+    """The JAX device that runs kernels for torch `device`."""
+    jax = jax_env.jax()
+    if device.type == "cpu":
+        return jax.devices("cpu")[0]
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as e:
+        raise BackendError(
+            f"torch_pallas: JAX has no GPU backend for {device} (install a CUDA "
+            f"build of jaxlib, e.g. pip install 'jax[cuda12]'): {e}"
+        ) from None
+    return gpus[device.index or 0]

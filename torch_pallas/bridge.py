@@ -42,9 +42,12 @@ def to_jax(tensor: torch.Tensor, device=None):
     to import a CPU tensor to (default: JAX's own)."""
     tensor = row_major(shareable(tensor))
     if device is not None and tensor.device.type == "cpu":
-        return _dlpack_to_buffer()(
-            torch.utils.dlpack.to_dlpack(tensor), device, None, CPU_DL_DEVICE
-        )
+        try:
+            return jax_env.dlpack_to_buffer()(
+                torch.utils.dlpack.to_dlpack(tensor), device, None, CPU_DL_DEVICE
+            )
+        except Exception:  # a JAX whose internals differ: import, then move (a copy)
+            return jax_env.jax().device_put(_importer()(tensor), device)
     return _importer()(tensor)
 
 
@@ -107,45 +110,18 @@ def _direct_importer():
     never get here. CPU tensors leave through torch's C exporter (no streams
     to order); CUDA ones through the protocol, which orders torch's stream
     before JAX's."""
-    to_buffer = _dlpack_to_buffer()
+    to_buffer = jax_env.dlpack_to_buffer()
     to_dlpack = torch.utils.dlpack.to_dlpack
-    cpu_device, cpu_stream = _import_target(CPU_DL_DEVICE, 0)
+    cpu_device, cpu_stream = jax_env.dlpack_import_target(CPU_DL_DEVICE, 0)
 
     def from_dlpack(tensor: torch.Tensor):
         if tensor.device.type == "cpu":
             return to_buffer(to_dlpack(tensor), cpu_device, cpu_stream, CPU_DL_DEVICE)
         dl_device_type, device_id = tensor.__dlpack_device__()
-        device, stream = _import_target(int(dl_device_type), device_id)
+        device, stream = jax_env.dlpack_import_target(int(dl_device_type), device_id)
         return to_buffer(tensor.__dlpack__(stream=stream), device, stream, int(dl_device_type))
 
     return from_dlpack
-
-
-@functools.cache
-def _import_target(dl_device_type: int, device_id: int):
-    from jax._src import dlpack as jax_dlpack
-    from jax._src import xla_bridge
-
-    platform = jax_dlpack._DL_DEVICE_TO_PLATFORM[dl_device_type]
-    device = xla_bridge.get_backend(platform).device_from_local_hardware_id(device_id)
-    stream = None
-    if dl_device_type != jax_dlpack.DLDeviceType.kDLCUDAHost:
-        try:
-            stream = device.get_stream_for_external_ready_events()
-        except Exception as e:  # the CPU has no streams: UNIMPLEMENTED
-            if "UNIMPLEMENTED" not in str(e):
-                raise
-    return device, stream
-
-
-def _dlpack_to_buffer():
-    """jaxlib's capsule import, as (capsule, device, stream, dl_device_type)."""
-    from jax._src.lib import _jax, jaxlib_extension_version
-
-    to_buffer = _jax.dlpack_managed_tensor_to_buffer
-    if jaxlib_extension_version >= 467:
-        return lambda capsule, device, stream, dl_type: to_buffer(capsule, device, stream, None, dl_type)
-    return lambda capsule, device, stream, dl_type: to_buffer(capsule, device, stream, None)
 
 
 @functools.cache
@@ -193,15 +169,8 @@ def _to_torch_direct(array) -> torch.Tensor:
         return torch.from_dlpack(array)
     # The array itself, not its addressable_data(0), whose first call on a
     # fresh array costs more than the rest of the export.
-    capsule = _buffer_to_dlpack()(array, stream=None)
+    capsule = jax_env.buffer_to_dlpack()(array, stream=None)
     return torch.utils.dlpack.from_dlpack(capsule)
-
-
-@functools.cache
-def _buffer_to_dlpack():
-    from jax._src.lib import _jax
-
-    return _jax.buffer_to_dlpack_managed_tensor
 
 
 @functools.cache
@@ -221,7 +190,3 @@ def _exporter():
     except Exception:  # a JAX whose internals differ: the public API
         return _to_torch_public
 
-
-def shares_memory(tensor: torch.Tensor, array) -> bool:
-    """Whether `tensor` and the JAX `array` are one buffer (zero copy)."""
-    return tensor.data_ptr() == array.unsafe_buffer_pointer()

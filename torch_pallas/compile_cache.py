@@ -7,8 +7,9 @@ dropped) and thread-safe: when several threads ask for a key at once, one
 builds it and the others wait for that build.
 
 A call first looks for its kernel under a cheaper key, the call's signature
-as torch sees it (`remember`/`recall`): what the full key is computed from
-(backend selection, JAX dtype names) then costs nothing on repeated calls.
+as torch sees it (`remember_signature`/`lookup_signature`): what the full key
+is computed from (backend selection, JAX dtype names) then costs nothing on
+repeated calls.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class CompileCache:
                     self._building.pop(key, None)
         return entry
 
-    def remember(self, signature: Hashable, key: Hashable, resolved: Any = None) -> None:
+    def remember_signature(self, signature: Hashable, key: Hashable, resolved: Any = None) -> None:
         """Files the entry under `key` also under a call `signature` that
         always resolves to it (with `resolved`, e.g. the backend chosen)."""
         with self._lock:
@@ -58,7 +59,7 @@ class CompileCache:
                 self._resolved.clear()
             self._resolved[signature] = (key, resolved)
 
-    def recall(self, signature: Hashable) -> tuple[Hashable, Any, Any] | None:
+    def lookup_signature(self, signature: Hashable) -> tuple[Hashable, Any, Any] | None:
         """(key, resolved, entry) filed under `signature`, if the entry is
         still cached."""
         found = self._resolved.get(signature)
@@ -87,14 +88,9 @@ class CompileCache:
         return len(self._entries)
 
 
-kernels = CompileCache()
+compiled = CompileCache()  # the process's compiled kernels
 
 
 def clear() -> None:
     """Drops every compiled kernel (they are rebuilt on their next call)."""
-    kernels.clear()
-
-
-def size() -> int:
-    """How many compiled kernels the cache holds."""
-    return len(kernels)
+    compiled.clear()

@@ -39,3 +39,8 @@ def jax_name(dtype: torch.dtype) -> str:
 
 def names(dtypes) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+# What one rounding step costs in each dtype (2**-mantissa_bits): the
+# tolerance of a correctly rounded result, used by the ops' error bounds.
+ROUNDING = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}

@@ -1,55 +1,16 @@
-"""Python wrappers of the ops, for `torch_pallas.matmul(a, b)` and friends.
-
-Each forwards to its `torch.ops.pallas.*` op, so eager calls, autograd and
-torch.compile behave the same whichever spelling a model uses.
+"""The ops as Python functions: `torch_pallas.matmul(a, b)` and friends,
+each the public function of its op file (ops/<op>.py), forwarding to its
+`torch.ops.pallas.*` op, so eager calls, autograd and torch.compile behave
+the same whichever spelling a model uses; and `linear`, built on matmul.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
+from torch_pallas import ops, registry  # noqa: F401  (ops registers the ops)
 
-def fill(size: int | Sequence[int], value, *, dtype=None, device=None) -> torch.Tensor:
-    """A new tensor of shape `size` filled with `value`, like `torch.full`.
-
-    The dtype defaults as torch.full's does: bool for a bool value, int64 for
-    an int, the default float dtype for a float. Supported: float32,
-    float16, bfloat16, int32, and int64/float64 for values exact in 32 bits.
-    """
-    if isinstance(size, int):
-        size = (size,)
-    return torch.ops.pallas.fill(size, value, dtype=dtype, device=_factory_device(device))
-
-
-def iota(n: int, *, dtype=None, device=None) -> torch.Tensor:
-    """[0, 1, ..., n-1], like `torch.arange(n)` (int64 unless `dtype` says)."""
-    return torch.ops.pallas.iota(n, dtype=dtype, device=_factory_device(device))
-
-
-def _factory_device(device):
-    """`device`, or torch's default device as a factory function sees it
-    here (`with torch.device(...)` included, which the op itself, called
-    inside that mode, no longer sees). Dynamo cannot trace the lookup: a
-    compiled call leaves it to the op."""
-    if device is None and not torch.compiler.is_compiling():
-        return torch.get_default_device()
-    return device
-
-
-def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x + y with broadcasting, like `torch.add` for tensors of one dtype
-    (float32, float16, bfloat16 or int32)."""
-    return torch.ops.pallas.add(x, y)
-
-
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The matrix product with `torch.matmul`'s semantics (1-D operands,
-    broadcast batch dimensions), accumulated in float32 and returned in the
-    operands' dtype (float32, float16 or bfloat16). Differentiable; cast
-    by torch.autocast like torch.matmul."""
-    return torch.ops.pallas.matmul(a, b)
+globals().update({info.name: info.function for info in registry.ops()})
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,3 +28,6 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             f"{out.dtype}; they must be the same (convert one explicitly)"
         )
     return out + bias
+
+
+__all__ = ["linear", *(info.name for info in registry.ops())]

@@ -11,10 +11,15 @@ registers the torch ops. The first kernel call comes through here, which
 - builds the `interpret=` argument of each simulation backend and resets the
   simulators' global state after a failure;
 - keeps a second, synchronous JAX CPU client for small CPU kernels
-  (`synchronous_cpu_device`).
+  (`synchronous_cpu_device`);
+- reaches jaxlib's DLPack capsule import and export directly, for the
+  bridge's per-call cost (torch_pallas/bridge.py checks them against the
+  public API once and falls back to it).
 
-Names under `jax._src` are private JAX API; each is looked up in one place
-here, with the spelling of every supported JAX version.
+This is the one module that uses JAX's private API (names under
+`jax._src`), each looked up here with the spelling of every supported JAX
+version; where a name is missing the caller takes JAX's public path (or, for
+the simulators' state, does without).
 """
 
 from __future__ import annotations
@@ -142,3 +147,43 @@ def races_found(family: str) -> bool:
     else:
         state = getattr(_tpu_interpreter(), "races", None)
     return bool(state is not None and state.races_found)
+
+
+@functools.cache
+def dlpack_import_target(dl_device_type: int, device_id: int):
+    """(JAX device, stream) a DLPack capsule from that device imports to."""
+    jax()
+    from jax._src import dlpack as jax_dlpack
+    from jax._src import xla_bridge
+
+    platform = jax_dlpack._DL_DEVICE_TO_PLATFORM[dl_device_type]
+    device = xla_bridge.get_backend(platform).device_from_local_hardware_id(device_id)
+    stream = None
+    if dl_device_type != jax_dlpack.DLDeviceType.kDLCUDAHost:
+        try:
+            stream = device.get_stream_for_external_ready_events()
+        except Exception as e:  # the CPU has no streams: UNIMPLEMENTED
+            if "UNIMPLEMENTED" not in str(e):
+                raise
+    return device, stream
+
+
+@functools.cache
+def dlpack_to_buffer():
+    """jaxlib's capsule import, as (capsule, device, stream, dl_device_type)."""
+    jax()
+    from jax._src.lib import _jax, jaxlib_extension_version
+
+    to_buffer = _jax.dlpack_managed_tensor_to_buffer
+    if jaxlib_extension_version >= 467:
+        return lambda capsule, device, stream, dl_type: to_buffer(capsule, device, stream, None, dl_type)
+    return lambda capsule, device, stream, dl_type: to_buffer(capsule, device, stream, None)
+
+
+@functools.cache
+def buffer_to_dlpack():
+    """jaxlib's capsule export of a JAX array (array, stream=...)."""
+    jax()
+    from jax._src.lib import _jax
+
+    return _jax.buffer_to_dlpack_managed_tensor

@@ -1,0 +1,83 @@
+"""Building a kernel for one call: lowered by `jax.jit` for the inputs'
+shapes and dtypes on the backend's JAX device, compiled with the kernel's
+XLA options.
+
+Small kernels on a backend that asks for it (`interpret` on CPU) are built
+for a synchronous JAX CPU client of this package's own, which runs them on
+the calling thread (jax_env.synchronous_cpu_device): lowered for it first,
+and again for JAX's own client only when they turn out too large for it (a
+lowering costs as much as the compile). README, "Performance", has the
+measurements behind the limits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from torch_pallas import backends, jax_env
+from torch_pallas.backends import Backend
+from torch_pallas.kernels.spec import Avals
+
+# A kernel under both runs on the calling thread: beyond them JAX's worker
+# threads win.
+SYNCHRONOUS_MAX_FLOPS = 2e8  # XLA's estimate
+SYNCHRONOUS_MAX_BYTES = 16 * 2**20  # operands and results
+
+
+def build(entry: Callable, avals: Avals, options: Mapping[str, Any], backend: Backend,
+          device: torch.device):
+    """`entry` (JAX arrays in and out) compiled for `avals` on `device`."""
+    if backend.compiles_for_calling_thread(device):
+        synchronous = jax_env.synchronous_cpu_device()
+        try:
+            if synchronous is not None:
+                lowered = lower(entry, avals, synchronous)
+                if runs_synchronously(lowered):
+                    return compile_lowered(lowered, options)
+        except Exception:  # a JAX that cannot build for a second client
+            pass
+    return compile_lowered(lower(entry, avals, backends.jax_device(device)), options)
+
+
+def lower(entry: Callable, avals: Avals, jax_device):
+    jax = jax_env.jax()
+    sharding = jax.sharding.SingleDeviceSharding(jax_device)
+    shapes = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=sharding)
+              for shape, dtype in avals]
+    return jax.jit(entry, out_shardings=sharding).lower(*shapes)
+
+
+def runs_synchronously(lowered) -> bool:
+    """Whether a lowered kernel is small enough for the calling thread."""
+    jax = jax_env.jax()
+    moved = sum(math.prod(a.shape) * jax.numpy.dtype(a.dtype).itemsize
+                for a in jax.tree.leaves((lowered.in_avals, lowered.out_info)))
+    try:
+        cost = lowered.cost_analysis() or {}
+    except Exception:  # no estimate: JAX's default
+        return False
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
+        cost = cost[0] if cost else {}
+    return cost.get("flops", math.inf) < SYNCHRONOUS_MAX_FLOPS and moved < SYNCHRONOUS_MAX_BYTES
+
+
+def compile_lowered(lowered, options: Mapping[str, Any]):
+    """`lowered` compiled with the kernel's XLA `options`, or without them on
+    an XLA that does not know them (they choose speed, never results)."""
+    if options:
+        try:
+            return lowered.compile(dict(options))
+        except RuntimeError as e:
+            if "INVALID_ARGUMENT" not in str(e) or "option" not in str(e):
+                raise
+    return lowered.compile()
+
+
+def input_device(kernel):
+    """The JAX device a compiled kernel takes its inputs on (None: no inputs)."""
+    shardings, _ = kernel.input_shardings
+    return next(iter(shardings[0].device_set)) if shardings else None

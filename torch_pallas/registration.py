@@ -1,0 +1,194 @@
+"""Registering a torch op: the one mechanism behind every `torch.ops.pallas.*`
+op and behind `torch_pallas.custom_op` (torch_pallas/custom_ops.py).
+
+`define` registers a torch.library schema, the implementation for every
+device, the fake function, autograd (its own Autograd kernel, below), the
+torch.compile path on CUDA (the op's body traced with its Triton kernels:
+torch_pallas/compile_path.py) and, optionally, a FLOP formula.
+`register_autocast` casts an op's inputs as torch.autocast casts
+torch.matmul's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.autograd import forward_ad
+
+from torch_pallas import compile_path, flop_counting, torch_compat
+
+
+def define(
+    name: str,
+    implementation: Callable,
+    *,
+    fake: Callable,
+    schema: str | None = None,
+    backward: Callable | None = None,
+    setup_context: Callable | None = None,
+    jvp: Callable | None = None,
+    triton_traced: Callable | None = None,
+    flops: Callable | None = None,
+):
+    """Registers op `name` ("namespace::op") and returns it (its torch.ops
+    packet).
+
+    - `schema`: inferred from `implementation`'s annotations unless given;
+    - `implementation`: the op for every device; `fake`: for tracing;
+    - `backward`, `setup_context`: as for `torch.library.register_autograd`;
+      `jvp(inputs, tangents)`: the output's tangent, for forward-mode AD;
+    - `triton_traced`: what AOTAutograd traces on CUDA tensors, with kernels
+      launched through `torch.library.wrap_triton` (for the shipped ops, the
+      implementation itself, whose kernels are then the Triton ones; None:
+      the op stays one opaque call there too);
+    - `flops(*input_shapes, out_shape)`: the FLOPs of a call, for
+      FlopCounterMode (see flop_counting).
+
+    This is what `torch.library.custom_op` registers, minus its per-call
+    wrappers (a second autograd wrapper on calls that need no gradient,
+    output checks for tagged in-place/out ops): those cost more than a small
+    kernel, and every op here returns fresh tensors.
+    """
+    namespace, opname = name.split("::")
+    if schema is None:
+        schema = torch.library.infer_schema(implementation, mutates_args=())
+    lib = library(namespace)
+    lib.define(opname + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    packet = getattr(getattr(torch.ops, namespace), opname)
+    torch.library.register_fake(name, fake, lib=lib)
+    # Dynamo must not trace into the kernel when an eager call happens inside
+    # a compiled region (after a graph break): it is JAX code.
+    kernel = torch_compat.disable_dynamo(implementation)
+    lib.impl(opname, kernel, "CompositeExplicitAutograd")
+    if torch_compat.DISPATCH is not None:
+        lib.impl(opname, _autograd_kernel(packet.default, kernel, backward, setup_context, jvp),
+                 "Autograd", with_keyset=True)
+    elif backward is not None:
+        torch.library.register_autograd(name, backward, setup_context=setup_context, lib=lib)
+    if triton_traced is not None:
+        compile_path.decompose_to_triton(packet.default, triton_traced, lib)
+    if flops is not None:
+        flop_counting.register(packet, flops)
+    return packet
+
+
+_libraries: dict[str, torch.library.Library] = {}
+
+
+def library(namespace: str) -> torch.library.Library:
+    """The Library holding this package's registrations in `namespace`
+    (kept alive: registrations end when their Library is collected)."""
+    if namespace not in _libraries:
+        _libraries[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    return _libraries[namespace]
+
+
+def _autograd_kernel(op, device_kernel: Callable, backward: Callable | None,
+                     setup_context: Callable | None, jvp: Callable | None = None) -> Callable:
+    """The Autograd kernel of `op` (an OpOverload). A call that needs no
+    gradient goes straight below autograd: to `device_kernel` (the op's
+    CompositeExplicitAutograd kernel) when the dispatcher would go nowhere
+    else (no mode, subclass or kernel registered for the device itself),
+    saving a trip through it; one that needs a gradient, or has a
+    forward-mode tangent, runs through an autograd.Function calling
+    `setup_context` and `backward` as torch.library.register_autograd does
+    (same ctx, same needs_input_grad), and `jvp(inputs, tangents)` for
+    forward-mode AD (the tangent of the output; without it a tangent
+    raises).
+
+    Below autograd the op runs under AutoDispatchBelowADInplaceOrView, as
+    torch's own autograd kernels do: a view an implementation returns (a
+    reshape of the kernel's result) is a fresh output to autograd, which
+    in-place ops may modify."""
+    dispatch = torch_compat.DISPATCH
+    after_autograd = dispatch.after_autograd
+    below_views = dispatch.below_views
+    forward_ad_level = dispatch.forward_ad_level
+    name = op.name()
+
+    def below_autograd(keyset, args, kwargs):
+        with below_views():
+            return op.redispatch(keyset & after_autograd, *args, **kwargs)
+
+    def forward(ctx, *args_and_dispatch):
+        *args, (keyset, kwargs) = args_and_dispatch
+        result = below_autograd(keyset, args, kwargs)
+        if setup_context is not None:
+            # The dispatcher passes keyword-only arguments as kwargs.
+            extra = {"keyword_only_inputs": kwargs} if kwargs else {}
+            setup_context(ctx=ctx, inputs=tuple(args), output=result, **extra)
+        if forward_ad_level() >= 0:  # jvp may follow (at once): it needs the inputs
+            ctx.primals = args
+        return result
+
+    def jvp_(ctx, *tangents):
+        primals = ctx.primals
+        del ctx.primals
+        if jvp is None:
+            raise RuntimeError(f"{name}: forward-mode AD (a tangent on an input) is not "
+                               "implemented for this op")
+        return jvp(tuple(primals), tangents[:-1])
+
+    def backward_(ctx, *grads):
+        if backward is None:
+            raise RuntimeError(f"{name} has no backward: it cannot be differentiated")
+        needs_input_grad = ctx.needs_input_grad
+        ctx.needs_input_grad = needs_input_grad[:-1]  # the op's arguments only
+        try:
+            result = backward(ctx, *grads)
+        finally:
+            ctx.needs_input_grad = needs_input_grad
+        return (*result, None) if isinstance(result, tuple) else (result, None)
+
+    function = type(f"Backward_{name.replace('::', '_')}", (torch.autograd.Function,),
+                    {"forward": staticmethod(forward), "backward": staticmethod(backward_),
+                     "jvp": staticmethod(jvp_)})
+
+    def kernel(keyset, *args, **kwargs):
+        if ((torch.is_grad_enabled() and dispatch.any_requires_grad(*args))
+                or (forward_ad_level() >= 0 and _any_tangent(args))):
+            if dispatch.functorch_active():
+                # torch's own message names an autograd.Function the user never wrote.
+                raise RuntimeError(
+                    f"{name}: torch.func transforms (grad, vjp, jvp, jacrev, jacfwd, "
+                    "vmap of a gradient) cannot differentiate this op; use "
+                    "torch.autograd (backward, torch.autograd.grad, forward_ad) instead"
+                )
+            return function.apply(*args, (keyset, kwargs))
+        device_key = dispatch.device_only.get((keyset & after_autograd).raw_repr())
+        if device_key is not None and not dispatch.has_kernel_for(name, device_key):
+            with below_views():
+                return device_kernel(*args, **kwargs)
+        return below_autograd(keyset, args, kwargs)
+
+    return kernel
+
+
+def _any_tangent(args) -> bool:
+    return any(isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None
+               for a in args)
+
+
+def register_autocast(name: str, cast_call: Callable, device_types=("cpu", "cuda")) -> None:
+    """Under torch.autocast, op `name` ("namespace::op") runs
+    `cast_call(device_type, *args)`, which casts the inputs as torch casts
+    its own op, to the dtype autocast has at run time, and calls the op
+    (autocast is off for that call). Where this torch has no way to register
+    that, floating inputs are cast to the device's default autocast dtype
+    (`torch.library.register_autocast`)."""
+    namespace, opname = name.split("::")
+    autocast = torch_compat.AUTOCAST
+    for device_type in device_types:
+        if autocast is None:
+            torch.library.register_autocast(
+                name, device_type, torch.get_autocast_dtype(device_type), lib=library(namespace)
+            )
+            continue
+        key = autocast.key(device_type)
+
+        def kernel(*args, _device_type=device_type, _key=key):
+            with autocast.excluded(_key):
+                return cast_call(_device_type, *args)
+
+        library(namespace).impl(opname, kernel, key)

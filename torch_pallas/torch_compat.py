@@ -1,0 +1,179 @@
+"""torch's private API, in one place.
+
+torch_pallas uses a few private torch names where the public API costs
+more than a small kernel or lacks a feature; nothing else in the package
+touches `torch._C`, `torch._subclasses`, `torch._disable_dynamo` or the
+internals of autograd and SymInt. Each is probed once, when torch_pallas is
+imported, and where it is missing (another torch) the public path takes its
+place:
+
+===================  =================================  ====================================
+probe                private path                       public fallback
+===================  =================================  ====================================
+``disable_dynamo``   ``torch._disable_dynamo``: keeps   ``torch.compiler.disable`` (imports
+                     Dynamo out of the kernels without  Dynamo with torch_pallas, ~1 s)
+                     importing it
+``autograd_kernel``  the op's own Autograd kernel      ``torch.library.register_autograd``
+                     (dispatch key sets, below-views    (every call goes through autograd's
+                     guard, forward-AD level): calls    wrapper; no forward-mode AD)
+                     needing no gradient skip autograd
+``autocast_kernel``  an Autocast kernel casting to the  ``torch.library.register_autocast``
+                     dtype autocast has at run time     with the device's default autocast
+                                                        dtype
+``tracing_types``    FakeTensor, FunctionalTensor,      none: under torch.compile on CUDA the
+                     FunctionalTensorMode (the          ops stay opaque calls
+                     torch.compile path on CUDA)
+``symint_hint``      ``SymInt.node.hint``: a symbolic   ``int(size)``: the size is
+                     size's example value               specialised (the graph is guarded)
+===================  =================================  ====================================
+
+`TORCH_PALLAS_PUBLIC_API` (probe names, comma-separated, or ``all``), set
+before torch_pallas is imported, takes the public path for those probes:
+tests/test_torch_compat.py runs every op that way, and a user who meets a
+problem on a private path can step around it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.autograd import forward_ad
+
+PROBES = ("disable_dynamo", "autograd_kernel", "autocast_kernel", "tracing_types", "symint_hint")
+ENV_VAR = "TORCH_PALLAS_PUBLIC_API"
+
+
+def _public_only() -> set[str]:
+    names = {n.strip() for n in os.environ.get(ENV_VAR, "").split(",") if n.strip()}
+    return set(PROBES) if "all" in names else names
+
+
+_PUBLIC_ONLY = _public_only()
+_unknown = _PUBLIC_ONLY - set(PROBES)
+if _unknown:
+    raise ValueError(f"torch_pallas: {ENV_VAR} names unknown probes {sorted(_unknown)}; "
+                     f"known: {', '.join(PROBES)}, all")
+
+
+def _probe(name: str, find: Callable[[], Any]) -> Any:
+    """`find()`, or None where it fails or the public path is asked for."""
+    if name in _PUBLIC_ONLY:
+        return None
+    try:
+        return find()
+    except (AttributeError, ImportError, TypeError):
+        return None
+
+
+def available() -> dict[str, bool]:
+    """Which private paths this torch offers (and are in use)."""
+    return {"disable_dynamo": _DISABLE_DYNAMO is not None,
+            "autograd_kernel": DISPATCH is not None,
+            "autocast_kernel": AUTOCAST is not None,
+            "tracing_types": _TRACING_TYPES is not None,
+            "symint_hint": _SYMINT_HAS_NODE is not None}
+
+
+# --- disable_dynamo ---------------------------------------------------------
+
+_DISABLE_DYNAMO = _probe("disable_dynamo", lambda: torch._disable_dynamo)
+
+
+def disable_dynamo(fn: Callable) -> Callable:
+    """`fn`, which Dynamo must not trace (it is JAX code), called eagerly
+    when a compiled region reaches it."""
+    if _DISABLE_DYNAMO is not None:
+        return _DISABLE_DYNAMO(fn)
+    return torch.compiler.disable(fn)
+
+
+# --- autograd_kernel --------------------------------------------------------
+
+class Dispatch(NamedTuple):
+    """The dispatcher internals behind an op's own Autograd kernel."""
+
+    after_autograd: Any  # the DispatchKeySet below autograd
+    has_kernel_for: Callable[[str, Any], bool]  # (op name, dispatch key)
+    below_views: Callable[[], Any]  # AutoDispatchBelowADInplaceOrView guard
+    any_requires_grad: Callable[..., bool]
+    functorch_active: Callable[[], bool]
+    device_only: dict[int, Any]  # key set raw repr -> CPU/CUDA dispatch key
+    forward_ad_level: Callable[[], int]  # >= 0 inside a forward-AD level
+
+
+def _dispatch() -> Dispatch:
+    C = torch._C
+    device_only = {C.DispatchKeySet(key).raw_repr(): key
+                   for key in (C.DispatchKey.CPU, C.DispatchKey.CUDA)}
+    forward_ad._current_level  # noqa: B018 (probed)
+    return Dispatch(
+        after_autograd=C._after_autograd_keyset,
+        has_kernel_for=C._dispatch_has_kernel_for_dispatch_key,
+        below_views=C._AutoDispatchBelowADInplaceOrView,
+        any_requires_grad=C._any_requires_grad,
+        functorch_active=C._are_functorch_transforms_active,
+        device_only=device_only,
+        forward_ad_level=lambda: forward_ad._current_level,
+    )
+
+
+DISPATCH: Dispatch | None = _probe("autograd_kernel", _dispatch)
+
+
+# --- autocast_kernel --------------------------------------------------------
+
+class Autocast(NamedTuple):
+    key: Callable[[str], str]  # device type -> its Autocast dispatch key's name
+    excluded: Callable[[str], Any]  # key name -> guard excluding that key
+
+
+def _autocast() -> Autocast:
+    C = torch._C
+    return Autocast(
+        key=lambda device_type: "Autocast" + C._dispatch_key_for_device(device_type),
+        excluded=lambda key: C._ExcludeDispatchKeyGuard(
+            C.DispatchKeySet(getattr(C.DispatchKey, key))
+        ),
+    )
+
+
+AUTOCAST: Autocast | None = _probe("autocast_kernel", _autocast)
+
+
+# --- tracing_types ----------------------------------------------------------
+
+def _tracing_types():
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    return (torch.Tensor, FunctionalTensor, FakeTensor), FunctionalTensorMode
+
+
+_TRACING_TYPES = _probe("tracing_types", _tracing_types)
+
+
+def tracing_tensor_types():
+    """((tensor types a decomposition may see), FunctionalTensorMode), or
+    None on a torch without them."""
+    return _TRACING_TYPES
+
+
+# --- symint_hint ------------------------------------------------------------
+
+_SYMINT_HAS_NODE = _probe(
+    "symint_hint", lambda: "node" in torch.SymInt.__init__.__code__.co_varnames or None
+)
+
+
+def size_hint(size) -> int:
+    """The example value of a (possibly symbolic) size, without guarding on
+    it where this torch lets us read the hint; else the size itself, which
+    specialises the compiled graph on it."""
+    if isinstance(size, torch.SymInt) and _SYMINT_HAS_NODE is not None:
+        hint = getattr(getattr(size, "node", None), "hint", None)
+        if hint is not None:
+            return int(hint)
+    return int(size)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import torch_pallas
-from helpers import shares_memory
 from torch_pallas import bridge, compile_cache
+from helpers import shares_memory
 
 
 def test_contiguous_tensors_cross_without_copies():
@@ -74,7 +74,7 @@ def test_kernel_arguments_share_the_tensor_memory(dtype):
 def test_small_cpu_kernels_run_on_the_synchronous_client():
     """Kernels XLA estimates as small run on the package's synchronous CPU
     client, large ones on JAX's own; both take tensors of every dtype."""
-    from torch_pallas import jax_env, launch
+    from torch_pallas import compilation, jax_env, launch
 
     jax = jax_env.jax()
     cpu = torch.device("cpu")
@@ -82,7 +82,7 @@ def test_small_cpu_kernels_run_on_the_synchronous_client():
         for dtype in (torch.float32, torch.bfloat16, torch.int32):
             x, y = (torch.randn(n) * 100).to(dtype), (torch.randn(n) * 100).to(dtype)
             _, kernel, _ = launch.compiled_kernel("add", cpu, (x, y), {"out_shape": (n,)})
-            on_jax_client = launch.input_device(kernel).client is jax.devices("cpu")[0].client
+            on_jax_client = compilation.input_device(kernel).client is jax.devices("cpu")[0].client
             assert on_jax_client != synchronous, (n, dtype)
             assert torch.equal(torch.ops.pallas.add(x, y), x + y)
 
@@ -149,10 +149,10 @@ def test_compile_cache_is_bounded_and_clearable():
         cache.get(i, lambda i=i: f"kernel {i}")
     assert len(cache) == 3 and cache.builds == 5
     assert cache.get(4, lambda: "rebuilt") == "kernel 4"
-    cache.remember("call", 4, "resolved")
-    assert cache.recall("call") == (4, "resolved", "kernel 4")
+    cache.remember_signature("call", 4, "resolved")
+    assert cache.lookup_signature("call") == (4, "resolved", "kernel 4")
     cache.clear()
-    assert len(cache) == 0 and cache.recall("call") is None
+    assert len(cache) == 0 and cache.lookup_signature("call") is None
     torch_pallas.clear_cache()
     assert len(compile_cache.compiled) == 0
 
@@ -162,11 +162,11 @@ def test_compile_cache_drops_the_least_recently_used_kernel():
     it is found by key or by call signature."""
     cache = compile_cache.CompileCache(max_entries=3)
     cache.get("hot", lambda: "hot kernel")
-    cache.remember("hot call", "hot")
+    cache.remember_signature("hot call", "hot")
     for i in range(10):
         cache.get(i, lambda i=i: f"kernel {i}")
         if i % 2:
-            assert cache.recall("hot call") == ("hot", None, "hot kernel")
+            assert cache.lookup_signature("hot call") == ("hot", None, "hot kernel")
         else:
             assert cache.get("hot", lambda: "rebuilt") == "hot kernel"
     assert cache.builds == 11

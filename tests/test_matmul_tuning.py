@@ -5,6 +5,7 @@ ragged shapes; the tuner and its disk cache run with fake timings."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from torch_pallas import jax_env, references
+from torch_pallas import jax_env
 from torch_pallas.kernels.mosaic_gpu import matmul as M
 from torch_pallas.kernels.mosaic_gpu import matmul_tuning as T
+from torch_pallas.kernels.mosaic_gpu import matmul_warp_specialized as W
+from torch_pallas.kernels.mosaic_gpu.tiles import HOPPER_SMEM_BYTES
+from torch_pallas.ops import matmul as matmul_op
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # (config, dtype) for every default a first call may use
@@ -44,8 +48,8 @@ def simulate(config, dtype, batches=(1, 1), seed=0):
     ta, tb, to = (torch.from_dlpack(x).float() if x.dtype == jnp.float32 else
                   torch.from_dlpack(x.astype(jnp.float32)).to(getattr(torch, jnp.dtype(dtype).name))
                   for x in (a, b, out))
-    ref = references.matmul(ta, tb)
-    bound = references.matmul_error_bound(ta, tb, ref)
+    ref = matmul_op.reference(ta, tb)
+    bound = matmul_op.error_bound(ta, tb, ref)
     assert to.shape == ref.shape
     assert bool(((to.double() - ref).abs() <= bound).all()), f"{config} {jnp.dtype(dtype).name}"
 
@@ -74,11 +78,11 @@ def test_every_tunable_config_is_correct_in_simulation(dtype):
 def test_candidates_fit_a_hopper_sm_and_prune_the_rest():
     for dtype in DTYPES:
         found = T.candidates(dtype)
-        assert found and all(c.smem_bytes(dtype) <= M.HOPPER_SMEM_BYTES for c in found)
+        assert found and all(c.smem_bytes(dtype) <= HOPPER_SMEM_BYTES for c in found)
         assert all(c.tile_m * c.tile_n // 128 <= T.ACCUMULATOR_REGISTERS for c in found)
         space = np.prod([len(v) for v in T.SEARCH_SPACE.values()])
         assert len(found) < space  # something was pruned before compiling
-    too_big = M.WarpSpecializedConfig(tile_m=256, tile_n=256, max_concurrent_steps=6)
+    too_big = W.WarpSpecializedConfig(tile_m=256, tile_n=256, max_concurrent_steps=6)
     with pytest.raises(ValueError, match="shared memory"):
         too_big.check(jnp.bfloat16)
 
@@ -128,8 +132,25 @@ def test_first_calls_use_shipped_defaults_on_hopper_and_generic_elsewhere(tmp_pa
 
 
 def test_backend_selects_the_kernel_per_shape(tmp_path, monkeypatch):
+    """On a GPU (an H100 with 132 SMs here): the warp-specialized kernel, its
+    shipped config for this M, one program per SM; in the simulator the
+    quickstart's kernel."""
     monkeypatch.setenv("TORCH_PALLAS_CACHE_DIR", str(tmp_path))
-    avals = (((1, 300, 200), "bfloat16"), ((1, 200, 500), "bfloat16"))
-    params = {"transpose_a": False, "transpose_b": False}
-    assert isinstance(M.select_config("mosaic_gpu", avals, params), M.WarpSpecializedConfig)
-    assert isinstance(M.select_config("mosaic_gpu_interpret", avals, params), M.MatmulConfig)
+    h100 = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3", core_count=132)
+    monkeypatch.setattr(T, "default_gpu", lambda: h100)
+    n = 500
+    for m, k, transpose_a in ((4096, 64, False), (64, 4096, False), (4096, 64, True)):
+        a_shape = (1, k, m) if transpose_a else (1, m, k)  # skinny M gets other tiles
+        avals = ((a_shape, "bfloat16"), ((1, k, n), "bfloat16"))
+        params = {"transpose_a": transpose_a, "transpose_b": False}
+        config = M.select_config("mosaic_gpu", avals, params)
+        shipped = T.shipped_default(h100.device_kind, jnp.bfloat16, m, n, k)
+        assert config == dataclasses.replace(shipped, num_programs=132)
+        assert isinstance(M.select_config("mosaic_gpu_interpret", avals, params), M.MatmulConfig)
+
+
+@pytest.mark.skipif(any(d.platform == "gpu" for d in jax.devices()), reason="a GPU is here")
+def test_without_a_gpu_the_hardware_config_says_what_it_needs():
+    avals = (((1, 64, 64), "bfloat16"), ((1, 64, 64), "bfloat16"))
+    with pytest.raises(RuntimeError, match="JAX sees none.*num_programs"):
+        M.select_config("mosaic_gpu", avals, {"transpose_a": False, "transpose_b": False})

@@ -11,21 +11,19 @@ together they cover what can be known of the hardware path on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
 
 from torch_pallas.kernels.mosaic_gpu import add, fill, iota, matmul, matmul_tuning
+from torch_pallas.kernels.mosaic_gpu.matmul_warp_specialized import WarpSpecializedConfig
 
 H100 = "NVIDIA H100 80GB HBM3"
+H100_SMS = 132
 DTYPES = ("float32", "bfloat16", "float16", "int32")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-
-
-@pytest.fixture(autouse=True)
-def hopper_sm_count(monkeypatch):
-    # The persistent matmul asks the device for its SM count: an H100's here.
-    monkeypatch.setattr(matmul, "num_sms", lambda: 132)
 
 
 def lower_for_hopper(f, *avals) -> str:
@@ -43,19 +41,21 @@ def aval(shape, dtype):
 def test_block_kernels_lower(dtype):
     for shape in ((1000,), (64, 4096)):
         lower_for_hopper(lambda s=shape: fill.fill(
-            s, 3, dtype, config=fill.default_config("mosaic_gpu"), interpret=None))
+            s, 3, dtype, config=fill.KERNEL.default_config("mosaic_gpu"), interpret=None))
     for n in (1000, 1 << 20):
         lower_for_hopper(lambda n=n: iota.iota(
-            n, dtype, config=iota.default_config("mosaic_gpu"), interpret=None))
+            n, dtype, config=iota.KERNEL.default_config("mosaic_gpu"), interpret=None))
     for x_shape, y_shape in (((1000,), (1000,)), ((3, 999), (999,))):
         out_shape = jnp.broadcast_shapes(x_shape, y_shape)
         lower_for_hopper(
-            lambda x, y, o=out_shape: add.add(x, y, o, config=add.default_config("mosaic_gpu"),
-                                              interpret=None),
+            lambda x, y, o=out_shape: add.add(
+                x, y, o, config=add.KERNEL.default_config("mosaic_gpu"), interpret=None),
             aval(x_shape, dtype), aval(y_shape, dtype))
 
 
 def lower_matmul(dtype, config, a_shape, b_shape, transpose_a=False, transpose_b=False) -> str:
+    if isinstance(config, WarpSpecializedConfig):  # persistent: one program per SM of an H100
+        config = dataclasses.replace(config, num_programs=H100_SMS)
     precision = {"precision": "tf32"} if dtype == "float32" else {}
     return lower_for_hopper(
         lambda a, b: matmul.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b,
@@ -78,7 +78,7 @@ def test_matmul_kernels_lower(dtype, ba, m, n, k, bb):
     """The quickstart kernel, the shipped and the generic warp-specialized
     configurations, with the operands as given and transposed in memory
     (read in place by wgmma, except a transposed float32 A)."""
-    configs = [matmul.default_config("mosaic_gpu"), matmul_tuning.GENERIC_DEFAULT,
+    configs = [matmul.KERNEL.default_config("mosaic_gpu"), matmul_tuning.GENERIC_DEFAULT,
                matmul_tuning.shipped_default(H100, dtype, m, n, k)]
     for config in filter(None, configs):
         lower_matmul(dtype, config, (ba, m, k), (bb, k, n))
@@ -117,3 +117,13 @@ def test_full_float32_is_refused_on_the_tensor_cores():
                                        config=matmul_tuning.GENERIC_DEFAULT, interpret=None,
                                        precision="ieee"),
             aval((1, 64, 64), "float32"), aval((1, 64, 64), "float32"))
+
+
+def test_warp_specialized_matmul_needs_the_sm_count():
+    """The persistent grid's size comes from the config (select_config sets
+    it from the GPU), never from whichever device JAX lists first."""
+    with pytest.raises(ValueError, match="num_programs=None"):
+        lower_for_hopper(
+            lambda a, b: matmul.matmul(a, b, transpose_a=False, transpose_b=False,
+                                       config=matmul_tuning.GENERIC_DEFAULT, interpret=None),
+            aval((1, 64, 64), "bfloat16"), aval((1, 64, 64), "bfloat16"))

@@ -32,12 +32,12 @@ def aval(shape, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32"])
 def test_block_kernels_lower(dtype):
-    lower_for_tpu(lambda: fill.fill((37, 1001), 3, dtype, config=fill.default_config("tpu"),
+    lower_for_tpu(lambda: fill.fill((37, 1001), 3, dtype, config=fill.FillConfig.default("tpu"),
                                     num_cores=CORES, interpret=None))
-    lower_for_tpu(lambda: iota.iota(100_001, dtype, config=iota.default_config("tpu"),
+    lower_for_tpu(lambda: iota.iota(100_001, dtype, config=iota.IotaConfig.default("tpu"),
                                     num_cores=CORES, interpret=None))
     lower_for_tpu(
-        lambda x, y: add.add(x, y, (3, 1000, 999), config=add.default_config("tpu"),
+        lambda x, y: add.add(x, y, (3, 1000, 999), config=add.AddConfig.default("tpu"),
                              num_cores=CORES, interpret=None),
         aval((3, 1000, 999), dtype), aval((999,), dtype))
 
@@ -50,6 +50,6 @@ def test_matmul_lowers(dtype, transpose_a, transpose_b):
     b_shape = (1, 1001, 999) if transpose_b else (1, 999, 1001)
     lower_for_tpu(
         lambda a, b: matmul.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b,
-                                   config=matmul.default_config("tpu"), num_cores=CORES,
+                                   config=matmul.KERNEL.default_config("tpu"), num_cores=CORES,
                                    interpret=None),
         aval(a_shape, dtype), aval(b_shape, dtype))

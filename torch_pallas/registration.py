@@ -60,12 +60,16 @@ def define(
     # Dynamo must not trace into the kernel when an eager call happens inside
     # a compiled region (after a graph break): it is JAX code.
     kernel = torch_compat.disable_dynamo(implementation)
-    lib.impl(opname, kernel, "CompositeExplicitAutograd")
     if torch_compat.DISPATCH is not None:
+        lib.impl(opname, kernel, "CompositeExplicitAutograd")
         lib.impl(opname, _autograd_kernel(packet.default, kernel, backward, setup_context, jvp),
                  "Autograd", with_keyset=True)
-    elif backward is not None:
-        torch.library.register_autograd(name, backward, setup_context=setup_context, lib=lib)
+    else:  # the public path
+        if backward is not None:
+            torch.library.register_autograd(name, backward, setup_context=setup_context, lib=lib)
+        # Its autograd wrapper drops a forward-mode tangent on an input that
+        # does not require grad: refuse such calls rather than lose it.
+        lib.impl(opname, _refusing_tangents(name, kernel), "CompositeExplicitAutograd")
     if triton_traced is not None:
         compile_path.decompose_to_triton(packet.default, triton_traced, lib)
     if flops is not None:
@@ -163,6 +167,18 @@ def _autograd_kernel(op, device_kernel: Callable, backward: Callable | None,
         return below_autograd(keyset, args, kwargs)
 
     return kernel
+
+
+def _refusing_tangents(name: str, kernel: Callable) -> Callable:
+    def refusing(*args, **kwargs):
+        if _any_tangent(args):
+            raise RuntimeError(
+                f"{name}: forward-mode AD needs torch's dispatcher internals, which this "
+                f"torch lacks or {torch_compat.ENV_VAR} turned off (torch_compat 'autograd_kernel')"
+            )
+        return kernel(*args, **kwargs)
+
+    return refusing
 
 
 def _any_tangent(args) -> bool:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from torch_pallas.kernels.blocking import as_rows
+from torch_pallas.kernels.padding import as_rows
 from torch_pallas.kernels.spec import KernelSpec
 
 
@@ -33,7 +33,6 @@ class AddConfig:
     @classmethod
     def default(cls, backend: str) -> "AddConfig":
         return cls(block_rows=32, block_cols=128, blocks_per_program=4, max_concurrent_steps=2)
-
 
 
 def add_kernel(x_gmem, y_gmem, o_gmem, *, config: AddConfig):

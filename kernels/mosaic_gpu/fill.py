@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from torch_pallas.kernels.blocking import cdiv
+from torch_pallas.kernels.shapes import cdiv
 from torch_pallas.kernels.spec import KernelSpec
 
 
@@ -28,7 +28,6 @@ class FillConfig:
     @classmethod
     def default(cls, backend: str) -> "FillConfig":
         return cls(block=2048)
-
 
 
 def fill_kernel(o_gmem, *, value, block):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from torch_pallas.kernels.blocking import cdiv
+from torch_pallas.kernels.shapes import cdiv
 from torch_pallas.kernels.spec import KernelSpec
 
 
@@ -31,7 +31,6 @@ class IotaConfig:
     @classmethod
     def default(cls, backend: str) -> "IotaConfig":
         return cls(block=2048)
-
 
 
 def iota_kernel(o_gmem, *, block):

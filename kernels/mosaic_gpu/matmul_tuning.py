@@ -5,12 +5,14 @@ that fits the hardware on the GPU (or with any timing function given).
 
 The cache (JSON, `$TORCH_PALLAS_CACHE_DIR` or ~/.cache/torch_pallas) is keyed
 by the device kind, the JAX and jaxlib versions and a hash of the kernel's
-source, so a new GPU, JAX or kernel never reuses stale choices.
+source, so a new GPU, JAX or kernel never reuses stale choices. Where no
+device kind is given, choices are for JAX's first GPU (`default_gpu`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import itertools
@@ -25,8 +27,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from torch_pallas.kernels.mosaic_gpu import matmul as matmul_module
-from torch_pallas.kernels.mosaic_gpu.matmul import WarpSpecializedConfig
+from torch_pallas.kernels.mosaic_gpu import matmul_warp_specialized, tiles
+from torch_pallas.kernels.mosaic_gpu.matmul_warp_specialized import WarpSpecializedConfig
 
 # Each compute warpgroup keeps its tile_m x tile_n float32 accumulator in
 # registers: 128 threads, at most this many registers each for it.
@@ -83,7 +85,22 @@ GENERIC_DEFAULT = WarpSpecializedConfig(tile_m=128, tile_n=64, max_concurrent_st
 
 
 def kernel_source_hash() -> str:
-    return hashlib.sha256(inspect.getsource(matmul_module).encode()).hexdigest()[:16]
+    """Of the kernel and the tiles it stages: an edit to either may change the best choice."""
+    source = "".join(inspect.getsource(m) for m in (matmul_warp_specialized, tiles))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def default_gpu() -> jax.Device:
+    """The GPU configurations are chosen for where none is named: JAX's first
+    (kernels are handed no device; a machine's GPUs are alike)."""
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError as e:  # no GPU backend
+        raise RuntimeError(
+            "matmul: the warp-specialized kernel's configuration depends on the GPU "
+            f"(its kind, its SM count), and JAX sees none ({e}); name the device kind "
+            "(TuningCache(device_kind=...)) and set WarpSpecializedConfig.num_programs"
+        ) from e
 
 
 class TuningCache:
@@ -92,7 +109,7 @@ class TuningCache:
     def __init__(self, path: Path | None = None, device_kind: str | None = None):
         root = Path(os.environ.get("TORCH_PALLAS_CACHE_DIR", Path.home() / ".cache" / "torch_pallas"))
         self.path = path or root / "matmul_tuning.json"
-        self.device_kind = device_kind or jax.devices()[0].device_kind
+        self.device_kind = device_kind or default_gpu().device_kind
         self.context = "|".join((self.device_kind, f"jax {jax.__version__}",
                                  f"jaxlib {jax.lib.__version__}", kernel_source_hash()))
         self._lock = threading.Lock()
@@ -129,12 +146,19 @@ def config_for(dtype, m: int, n: int, k: int, cache: TuningCache | None = None) 
 
 def time_on_device(config: WarpSpecializedConfig, dtype, m: int, n: int, k: int,
                    repeats: int = 10) -> float:
-    """Median seconds of one product on the default device (compiled first)."""
+    """Median seconds of one product on `default_gpu()`, one program per SM
+    unless `config` says otherwise (compiled first; operands as the
+    hardware stages them, tiles.staged_layouts)."""
+    gpu = default_gpu()
+    config = dataclasses.replace(config, num_programs=config.num_programs or gpu.core_count)
+    _, b_k_major = tiles.staged_layouts(dtype, False, False)
     key_a, key_b = jax.random.split(jax.random.key(0))
     a = jax.random.normal(key_a, (1, m, k), dtype)
-    b = jax.random.normal(key_b, (1, k, n), dtype)
-    fn = jax.jit(lambda a, b: matmul_module.matmul(
-        a, b, transpose_a=False, transpose_b=False, config=config, interpret=None))
+    b = jax.random.normal(key_b, (1, n, k) if b_k_major else (1, k, n), dtype)
+    a, b = jax.device_put((a, b), gpu)
+    fn = jax.jit(functools.partial(matmul_warp_specialized.matmul_warp_specialized,
+                                   a_m_major=False, b_k_major=b_k_major, config=config,
+                                   interpret=None))
     fn(a, b).block_until_ready()
     times = []
     for _ in range(repeats):

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels.blocking import as_rows
+from torch_pallas.kernels.padding import as_rows
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,25 +36,18 @@ class AddConfig:
         return cls(block_rows=32, block_cols=128)  # (8, 128)-tiled VMEM blocks
 
 
-
 def add_kernel(x_hbm, y_hbm, o_hbm, *, block, num_cores):
     def body(x_vmem, y_vmem, o_vmem):
         o_vmem[...] = x_vmem[...] + y_vmem[...]
 
     rows, cols = x_hbm.shape
     spec = pl.BlockSpec(block, lambda i, j: (i, j))
-    split = {}
-    if num_cores > 1:
-        split = dict(
-            core_axis_name="core",
-            dimension_semantics=(pltpu.PARALLEL, pltpu.ARBITRARY),
-        )
     pltpu.emit_pipeline(
         body,
         grid=(rows // block[0], cols // block[1]),
         in_specs=[spec, spec],
         out_specs=spec,
-        **split,
+        **pipeline_core_split(num_cores, parallel_dims=1),
     )(x_hbm, y_hbm, o_hbm)
 
 
@@ -72,7 +66,7 @@ def add(x, y, out_shape, *, config: AddConfig, num_cores: int, interpret):
     out = pl.kernel(
         functools.partial(add_kernel, block=block, num_cores=num_cores),
         out_type=jax.ShapeDtypeStruct(xm.shape, xm.dtype),
-        mesh=pltpu.create_tensorcore_mesh("core", num_cores=num_cores),
+        mesh=tensorcore_mesh(num_cores),
         interpret=interpret,
     )(xm, ym)
     return out.reshape(-1)[:n].reshape(out_shape)

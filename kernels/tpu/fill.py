@@ -19,8 +19,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels.blocking import cdiv
+from torch_pallas.kernels.shapes import cdiv
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu.cores import core_index, tensorcore_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,12 +32,6 @@ class FillConfig:
     def default(cls, backend: str) -> "FillConfig":
         # The generic interpreter pays per block: one block on CPU.
         return cls(block=None) if backend == "interpret" else cls(block=1024)
-
-
-
-def core_index(num_cores: int):
-    """This TensorCore's index (0 on a one-core mesh, which has no axis)."""
-    return jax.lax.axis_index("core") if num_cores > 1 else 0
 
 
 def fill_kernel(o_hbm, o_vmem, *, value, blocks_per_core, num_cores):
@@ -61,7 +56,7 @@ def fill(shape, value, dtype, *, config: FillConfig, num_cores: int, interpret):
             fill_kernel, value=value, blocks_per_core=blocks_per_core, num_cores=num_cores
         ),
         out_type=jax.ShapeDtypeStruct((blocks_per_core * num_cores * block,), dtype),
-        mesh=pltpu.create_tensorcore_mesh("core", num_cores=num_cores),
+        mesh=tensorcore_mesh(num_cores),
         scratch_types=dict(o_vmem=pltpu.VMEM((block,), dtype)),
         interpret=interpret,
     )()

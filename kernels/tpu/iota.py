@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels.blocking import cdiv
+from torch_pallas.kernels.shapes import cdiv
 from torch_pallas.kernels.spec import KernelSpec
-from torch_pallas.kernels.tpu.fill import core_index
+from torch_pallas.kernels.tpu.cores import core_index, tensorcore_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +30,6 @@ class IotaConfig:
     @classmethod
     def default(cls, backend: str) -> "IotaConfig":
         return cls(block=None) if backend == "interpret" else cls(block=1024)
-
 
 
 def iota_kernel(o_hbm, o_vmem, *, blocks_per_core, num_cores):
@@ -53,7 +52,7 @@ def iota(n, dtype, *, config: IotaConfig, num_cores: int, interpret):
     out = pl.kernel(
         functools.partial(iota_kernel, blocks_per_core=blocks_per_core, num_cores=num_cores),
         out_type=jax.ShapeDtypeStruct((blocks_per_core * num_cores * block,), dtype),
-        mesh=pltpu.create_tensorcore_mesh("core", num_cores=num_cores),
+        mesh=tensorcore_mesh(num_cores),
         scratch_types=dict(o_vmem=pltpu.VMEM((block,), dtype)),
         interpret=interpret,
     )()

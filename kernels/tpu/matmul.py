@@ -24,8 +24,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels.blocking import pad_to, round_up
+from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels.shapes import matmul_dims, round_up
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,39 +46,14 @@ class MatmulConfig:
         return cls(block_b=1, block_m=128, block_n=128, block_k=128)
 
 
-
-# Through JAX's interpreter (the `interpret` backend) the one-block kernel is
-# one XLA dot, so on the CPU its speed is that of the GEMM library XLA picks.
-# XLA's default (YNNPACK) is the fastest for 16-bit operands (AMX) and for
-# few rows; for float32 with many rows oneDNN's GEMM is faster (2 cores,
-# against torch.matmul in the same run: 2048^3 0.91x vs 0.88x, 4096x256x256
-# 1.0x vs 0.85x; with 64 or 128 rows it is 2-3x slower, hence the threshold).
-ONEDNN_DOT = {
-    "xla_cpu_experimental_ynn_fusion_type": "",
-    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
-    "xla_cpu_use_onednn": True,
-}
-ONEDNN_MIN_ROWS = 1024
-
-
-def compiler_options(backend: str, avals, params) -> dict:
-    """XLA options for this kernel's compilation: on `interpret`, the CPU
-    GEMM library for this dtype and shape."""
-    if backend != "interpret":
-        return {}
-    (a_shape, dtype), _ = avals
-    rows = a_shape[2] if params["transpose_a"] else a_shape[1]
-    return ONEDNN_DOT if dtype == "float32" and rows >= ONEDNN_MIN_ROWS else {}
-
-
 def matmul_kernel(a_hbm, b_hbm, o_hbm, acc_vmem=None, *, blocks, transpose_a, transpose_b,
                   num_cores):
     """blocks: (bb, bm, bn, bk); a_hbm (Ba, M, K) or (Ba, K, M), b_hbm
     (Bb, K, N) or (Bb, N, K), o_hbm (B, M, N), with Ba, Bb in {1, B}. The
     accumulator exists only when K takes several steps."""
     bb, bm, bn, bk = blocks
-    batch, m, n = o_hbm.shape
-    k = a_hbm.shape[1] if transpose_a else a_hbm.shape[2]
+    batch, m, n = o_hbm.shape  # its batch padded to whole blocks, unlike a 1 of a or b
+    *_, k = matmul_dims(a_hbm.shape, b_hbm.shape, transpose_a, transpose_b)
     k_steps = k // bk
     a_batched, b_batched = a_hbm.shape[0] > 1, b_hbm.shape[0] > 1
 
@@ -118,18 +95,12 @@ def matmul_kernel(a_hbm, b_hbm, o_hbm, acc_vmem=None, *, blocks, transpose_a, tr
 
     a_block = (bb if a_batched else 1, *((bk, bm) if transpose_a else (bm, bk)))
     b_block = (bb if b_batched else 1, *((bn, bk) if transpose_b else (bk, bn)))
-    split = {}
-    if num_cores > 1:
-        split = dict(
-            core_axis_name="core",
-            dimension_semantics=(pltpu.PARALLEL,) * 3 + (pltpu.ARBITRARY,),
-        )
     pltpu.emit_pipeline(
         body,
         grid=(batch // bb, m // bm, n // bn, k_steps),
         in_specs=[pl.BlockSpec(a_block, a_index), pl.BlockSpec(b_block, b_index)],
         out_specs=pl.BlockSpec((bb, bm, bn), lambda bi, i, j, kk: (bi, i, j)),
-        **split,
+        **pipeline_core_split(num_cores, parallel_dims=3),
     )(a_hbm, b_hbm, o_hbm)
 
 
@@ -142,9 +113,7 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
     (Bb, N, K) with transpose_b; Ba and Bb are 1 or the batch B. Returns
     (B, M, N).
     """
-    batch = max(a.shape[0], b.shape[0])
-    k, m = a.shape[1:] if transpose_a else a.shape[2:0:-1]
-    n = b.shape[1] if transpose_b else b.shape[2]
+    batch, m, n, k = matmul_dims(a.shape, b.shape, transpose_a, transpose_b)
     bb, bm, bn, bk = (config.block_b or batch, config.block_m or m,
                       config.block_n or n, config.block_k or k)
     bp, mp, np_, kp = round_up(batch, bb), round_up(m, bm), round_up(n, bn), round_up(k, bk)
@@ -162,11 +131,30 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
             transpose_b=transpose_b, num_cores=num_cores,
         ),
         out_type=jax.ShapeDtypeStruct((bp, mp, np_), a.dtype),
-        mesh=pltpu.create_tensorcore_mesh("core", num_cores=num_cores),
+        mesh=tensorcore_mesh(num_cores),
         scratch_types=scratch,
         interpret=interpret,
     )(padded(a, mp, kp, transpose_a), padded(b, kp, np_, transpose_b))
     return out[:batch, :m, :n]
+
+
+# On the CPU (one block, one XLA dot) oneDNN beats XLA's YNNPACK only for float32 with many rows.
+ONEDNN_DOT = {
+    "xla_cpu_experimental_ynn_fusion_type": "",
+    "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
+    "xla_cpu_use_onednn": True,
+}
+ONEDNN_MIN_ROWS = 1024
+
+
+def compiler_options(backend: str, avals, params) -> dict:
+    """XLA options for this kernel's compilation: on `interpret`, the CPU
+    GEMM library for this dtype and shape."""
+    if backend != "interpret":
+        return {}
+    (a_shape, dtype), (b_shape, _) = avals
+    _, m, _, _ = matmul_dims(a_shape, b_shape, params["transpose_a"], params["transpose_b"])
+    return ONEDNN_DOT if dtype == "float32" and m >= ONEDNN_MIN_ROWS else {}
 
 
 KERNEL = KernelSpec(run=matmul, default_config=MatmulConfig.default,

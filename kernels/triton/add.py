@@ -19,7 +19,6 @@ from torch_pallas.kernels.spec import KernelSpec
 MAX_DIMS = 4
 
 
-
 @triton.jit
 def add_kernel(
     x_ptr, y_ptr, o_ptr, n,

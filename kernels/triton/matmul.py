@@ -14,6 +14,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from torch_pallas.kernels.shapes import matmul_dims
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.triton import direct, interpreter_safe_dtype, interpreting
 
@@ -98,13 +99,11 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig, 
     products are full float32 (`precision` "ieee") or TF32 ("tf32");
     16-bit ones are exact either way.
     """
-    if transpose_a:
+    batch, m, n, k = matmul_dims(a.shape, b.shape, transpose_a, transpose_b)
+    if transpose_a:  # strides: read in place
         a = a.mT
     if transpose_b:
         b = b.mT
-    batch = max(a.shape[0], b.shape[0])
-    _, m, k = a.shape
-    n = b.shape[2]
     c = torch.empty((batch, m, n), dtype=interpreter_safe_dtype(a.dtype), device=a.device)
     # A batch of 1 is broadcast: its batch stride is 0.
     a_batch_stride = a.stride(0) if a.shape[0] > 1 else 0

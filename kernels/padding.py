@@ -1,17 +1,11 @@
-"""Arithmetic on block counts and the padding that makes ragged shapes whole
-blocks (padding is done once, outside the kernels, with zeros)."""
+"""The zero padding that makes ragged shapes whole blocks, done once, outside
+the kernels (JAX arrays)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def round_up(a: int, b: int) -> int:
-    return cdiv(a, b) * b
+from torch_pallas.kernels.shapes import cdiv, round_up
 
 
 def pad_to(x: jnp.ndarray, shape: tuple[int, ...]) -> jnp.ndarray:

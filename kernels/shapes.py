@@ -1,0 +1,30 @@
+"""Sizes: block counts, rounding up to whole blocks, and the batch, M, N and K
+of a batched matmul's operands. Plain integer arithmetic (no JAX), so the
+Triton kernels share it too."""
+
+from __future__ import annotations
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    return cdiv(a, b) * b
+
+
+def matmul_dims(a_shape: tuple[int, ...], b_shape: tuple[int, ...], transpose_a: bool,
+                transpose_b: bool) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) of a batched a @ b.
+
+    a_shape: (Ba, M, K), or (Ba, K, M) with transpose_a; b_shape: (Bb, K, N),
+    or (Bb, N, K) with transpose_b; Ba and Bb are 1 or the batch.
+    """
+    ba, m, ka = (a_shape[0], a_shape[2], a_shape[1]) if transpose_a else a_shape
+    bb, kb, n = (b_shape[0], b_shape[2], b_shape[1]) if transpose_b else b_shape
+    if ka != kb:
+        raise ValueError(f"matmul: a's K ({ka}, a {tuple(a_shape)}, {transpose_a=}) and "
+                         f"b's K ({kb}, b {tuple(b_shape)}, {transpose_b=}) must be equal")
+    if 1 not in (ba, bb) and ba != bb:
+        raise ValueError(f"matmul: batches {ba} and {bb} must be equal or one of them 1")
+    return max(ba, bb), m, n, ka

@@ -1,0 +1,36 @@
+"""How the TPU kernels share work between TensorCores: the mesh they run on,
+which core is running, and the `emit_pipeline` keywords that split a grid
+across the cores.
+
+With one core nothing binds the core axis (no `axis_index`, no
+`core_axis_name`), which lets JAX's generic interpreter run the kernels.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+
+CORE_AXIS = "core"
+
+
+def tensorcore_mesh(num_cores: int):
+    """The mesh a kernel runs on: `num_cores` TensorCores along CORE_AXIS."""
+    return pltpu.create_tensorcore_mesh(CORE_AXIS, num_cores=num_cores)
+
+
+def core_index(num_cores: int):
+    """This TensorCore's index (0 on a one-core mesh, which has no axis)."""
+    return jax.lax.axis_index(CORE_AXIS) if num_cores > 1 else 0
+
+
+def pipeline_core_split(num_cores: int, parallel_dims: int) -> dict:
+    """`emit_pipeline` keywords splitting the first `parallel_dims` grid
+    dimensions (PARALLEL) across the cores, the one after them sequential
+    (ARBITRARY) on each core; none with one core."""
+    if num_cores <= 1:
+        return {}
+    return dict(
+        core_axis_name=CORE_AXIS,
+        dimension_semantics=(pltpu.PARALLEL,) * parallel_dims + (pltpu.ARBITRARY,),
+    )

@@ -1,0 +1,75 @@
+"""torch's private API behind torch_compat: each probe, made to fail
+(TORCH_PALLAS_PUBLIC_API), leaves every op working through the public
+fallback; and JAX's private API in jax_env, whose failures the bridge and
+the call path survive."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import torch_pallas
+from torch_pallas import bridge, compile_cache, jax_env, torch_compat
+
+WORKLOAD = Path(__file__).with_name("compat_workload.py")
+
+
+def test_this_torch_offers_every_private_path():
+    """The fast paths are in use here (the fallbacks are for other torch
+    versions)."""
+    assert all(torch_compat.available().values()), torch_compat.available()
+
+
+@pytest.mark.parametrize("public", ["all", *torch_compat.PROBES])
+def test_ops_work_with_the_public_api_alone(public):
+    env = dict(os.environ, **{torch_compat.ENV_VAR: public})
+    result = subprocess.run([sys.executable, str(WORKLOAD), public], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
+
+
+def test_an_unknown_probe_name_is_refused():
+    env = dict(os.environ, **{torch_compat.ENV_VAR: "autograd_kernal"})
+    result = subprocess.run([sys.executable, "-c", "import torch_pallas"], env=env,
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "autograd_kernal" in result.stderr
+
+
+@pytest.fixture
+def fresh_bridge():
+    """The bridge's probed crossings and the compiled kernels, rebuilt for
+    the test and again after it."""
+    def reset():
+        compile_cache.clear()
+        for cached in (bridge._importer, bridge._exporter, jax_env.dlpack_to_buffer,
+                       jax_env.buffer_to_dlpack):
+            getattr(cached, "cache_clear", lambda: None)()  # (a test may replace it)
+
+    reset()
+    yield
+    reset()
+
+
+def test_without_jaxlibs_private_dlpack_calls_the_public_api_serves(monkeypatch, fresh_bridge):
+    def missing(*args, **kwargs):
+        raise AttributeError("no such jaxlib function")
+
+    for name in ("dlpack_to_buffer", "buffer_to_dlpack", "dlpack_import_target"):
+        monkeypatch.setattr(jax_env, name, missing)
+    assert bridge._importer() is bridge._from_dlpack_public
+    assert bridge._exporter() is bridge._to_torch_public
+    x, y = torch.randn(33, 7), torch.randn(7)
+    torch.testing.assert_close(torch_pallas.add(x, y), x + y)
+    cpu = jax_env.jax().devices("cpu")[0]
+    assert torch.equal(torch.from_dlpack(bridge.to_jax(x, cpu)), x)
+
+
+def test_without_a_synchronous_cpu_client_kernels_run_on_jaxs(monkeypatch, fresh_bridge):
+    monkeypatch.setattr(jax_env, "synchronous_cpu_device", lambda: None)
+    a, b = torch.randn(20, 30), torch.randn(30, 10)
+    torch.testing.assert_close(torch_pallas.matmul(a, b), a @ b, rtol=1e-5, atol=1e-5)

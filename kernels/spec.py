@@ -7,12 +7,13 @@ nothing reaches into a kernel file for anything else.
 
 How the entry point is called, for a call of op `op` on backend `backend`:
 
-    config = spec.config(backend, avals, params)
+    config = spec.config(backend, avals, params, device)
     spec.run(*inputs, **params, config=config, **execution)
 
 - `inputs`: the op's tensors, as JAX arrays (Triton kernels: torch tensors);
   `avals`: their (shape, dtype name) pairs; `params`: the op's static
-  parameters (hashable; part of the compiled kernel's identity).
+  parameters (hashable; part of the compiled kernel's identity); `device`:
+  the JAX device the kernel is built for (None for Triton kernels).
 - `execution`: the keywords that say how the backend runs this family
   (torch_pallas/backends.py, `Backend.execution`):
 
@@ -49,8 +50,9 @@ class KernelSpec:
       run: the entry point, called as described in the module's docstring.
       default_config: backend name -> the kernel's config (a frozen
         dataclass of its tuning knobs) for that backend.
-      select_config: optional; (backend, avals, params) -> a config chosen
-        for this call's shapes (replaces `default_config` when given).
+      select_config: optional; (backend, avals, params, device) -> a config
+        chosen for this call's shapes and device (replaces `default_config`
+        when given).
       compiler_options: optional; (backend, avals, params) -> XLA compiler
         options for this call's compilation (they choose speed, never
         results).
@@ -62,14 +64,16 @@ class KernelSpec:
 
     run: Callable[..., Any]
     default_config: Callable[[str], Any]
-    select_config: Callable[[str, Avals, Mapping[str, Any]], Any] | None = None
+    select_config: Callable[[str, Avals, Mapping[str, Any], Any], Any] | None = None
     compiler_options: Callable[[str, Avals, Mapping[str, Any]], Mapping[str, Any]] | None = None
     unsupported: Callable[[str, Avals, Mapping[str, Any]], str | None] | None = None
 
-    def config(self, backend: str, avals: Avals, params: Mapping[str, Any]) -> Any:
-        """The config for one call: per shape where the kernel chooses so."""
+    def config(self, backend: str, avals: Avals, params: Mapping[str, Any],
+               device: Any = None) -> Any:
+        """The config for one call: per shape and device where the kernel
+        chooses so."""
         if self.select_config is not None:
-            return self.select_config(backend, avals, params)
+            return self.select_config(backend, avals, params, device)
         return self.default_config(backend)
 
     def options(self, backend: str, avals: Avals, params: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -69,7 +69,7 @@ def _jvp(inputs, tangents):
 
 registration.define(
     OP, add_implementation, fake=add_fake, backward=_backward, setup_context=_setup_context,
-    jvp=_jvp, triton_traced=add_implementation,
+    jvp=_jvp,
 )
 
 

@@ -102,7 +102,6 @@ registration.define(
     fill_implementation,
     schema="(SymInt[] size, Scalar value, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
     fake=fill_fake,
-    triton_traced=fill_implementation,
 )
 
 

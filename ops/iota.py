@@ -50,7 +50,6 @@ registration.define(
     iota_implementation,
     schema="(SymInt n, *, ScalarType? dtype=None, Device? device=None) -> Tensor",
     fake=iota_fake,
-    triton_traced=iota_implementation,
 )
 
 

@@ -184,7 +184,7 @@ def _flops(a_shape, b_shape, *, out_shape, **kwargs) -> int:
 
 registration.define(
     OP, matmul_implementation, fake=matmul_fake, backward=_backward,
-    setup_context=_setup_context, jvp=_jvp, triton_traced=matmul_implementation,
+    setup_context=_setup_context, jvp=_jvp,
     flops=_flops,
 )
 

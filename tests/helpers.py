@@ -44,3 +44,29 @@ def random_tensor(shape, dtype, scale: float = 1.0) -> torch.Tensor:
 def shares_memory(tensor: torch.Tensor, array) -> bool:
     """Whether `tensor` and the JAX `array` are one buffer (zero copy)."""
     return tensor.data_ptr() == array.unsafe_buffer_pointer()
+
+
+def kernel_calls(info) -> list[tuple[tuple, dict]]:
+    """The (avals, params) of every kernel call that op `info`'s examples
+    make, as the op hands them to its kernel (recorded on the `interpret`
+    backend): what the lowering tests lower for the hardware."""
+    import torch_pallas
+    from torch_pallas import compile_cache, launch
+
+    calls = []
+    real = launch.compiled_kernel
+
+    def recording(op, device, inputs=(), params=None, user_function=None):
+        calls.append((tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                            for t in inputs), dict(params or {})))
+        return real(op, device, inputs, params, user_function)
+
+    launch.compiled_kernel = recording
+    try:
+        compile_cache.clear()  # every call reaches compiled_kernel
+        with torch_pallas.backend("interpret"):
+            for example in info.examples(torch.device("cpu"), False):
+                info.overload(*example.args, **example.kwargs)
+    finally:
+        launch.compiled_kernel = real
+    return calls

@@ -137,15 +137,16 @@ def test_backend_selects_the_kernel_per_shape(tmp_path, monkeypatch):
     quickstart's kernel."""
     monkeypatch.setenv("TORCH_PALLAS_CACHE_DIR", str(tmp_path))
     h100 = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3", core_count=132)
-    monkeypatch.setattr(T, "default_gpu", lambda: h100)
+    h200 = types.SimpleNamespace(device_kind="NVIDIA H200", core_count=140)
     n = 500
     for m, k, transpose_a in ((4096, 64, False), (64, 4096, False), (4096, 64, True)):
         a_shape = (1, k, m) if transpose_a else (1, m, k)  # skinny M gets other tiles
         avals = ((a_shape, "bfloat16"), ((1, k, n), "bfloat16"))
         params = {"transpose_a": transpose_a, "transpose_b": False}
-        config = M.select_config("mosaic_gpu", avals, params)
-        shipped = T.shipped_default(h100.device_kind, jnp.bfloat16, m, n, k)
-        assert config == dataclasses.replace(shipped, num_programs=132)
+        for gpu in (h100, h200):  # the target device's kind and SM count
+            config = M.select_config("mosaic_gpu", avals, params, gpu)
+            shipped = T.shipped_default(gpu.device_kind, jnp.bfloat16, m, n, k)
+            assert config == dataclasses.replace(shipped, num_programs=gpu.core_count)
         assert isinstance(M.select_config("mosaic_gpu_interpret", avals, params), M.MatmulConfig)
 
 

@@ -12,11 +12,15 @@ together they cover what can be known of the hardware path on a CPU.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
 import pytest
+import torch
 
+from helpers import kernel_calls
+from torch_pallas import backends, registry
 from torch_pallas.kernels.mosaic_gpu import add, fill, iota, matmul, matmul_tuning
 from torch_pallas.kernels.mosaic_gpu.matmul_warp_specialized import WarpSpecializedConfig
 
@@ -35,6 +39,34 @@ def lower_for_hopper(f, *avals) -> str:
 
 def aval(shape, dtype):
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+H100_DEVICE = types.SimpleNamespace(device_kind=H100, core_count=H100_SMS)
+
+
+@pytest.mark.parametrize("info", registry.ops(), ids=lambda info: info.name)
+def test_every_op_lowers_as_its_examples_call_it(info, tmp_path, monkeypatch):
+    """Each registered op's Mosaic GPU kernel, for the calls its examples
+    make where torch allows TF32, with the config the mosaic_gpu backend
+    picks on an H100; calls the hardware kernel still refuses fall back to
+    Triton on a GPU and are skipped."""
+    monkeypatch.setenv("TORCH_PALLAS_CACHE_DIR", str(tmp_path))  # no tuned configs
+    spec = info.kernel(backends.get("mosaic_gpu"))
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32, the Tensor Cores' float32
+    try:
+        calls = kernel_calls(info)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    lowered = 0
+    for avals, params in calls:
+        if spec.refusal("mosaic_gpu", avals, params) is not None:
+            continue
+        config = spec.config("mosaic_gpu", avals, params, H100_DEVICE)
+        lower_for_hopper(lambda *a: spec.run(*a, **params, config=config, interpret=None),
+                         *[aval(shape, dtype) for shape, dtype in avals])
+        lowered += 1
+    assert lowered, f"{info.name}: no example call lowered"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from torch_pallas import jax_env
+from torch_pallas import backends, jax_env, registry
 from torch_pallas.kernels.tpu import add, fill, iota, matmul
+from helpers import kernel_calls
 
 CORES = 2
 
@@ -28,6 +29,20 @@ def lower_for_tpu(f, *avals):
 
 def aval(shape, dtype):
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("info", registry.ops(), ids=lambda info: info.name)
+def test_every_op_lowers_as_its_examples_call_it(info):
+    """Each registered op's TPU kernel, for the calls its examples make, with
+    its TPU config, on both TensorCores."""
+    spec = info.kernel(backends.get("tpu_interpret"))  # the TPU family's kernel
+    calls = kernel_calls(info)
+    for avals, params in calls:
+        config = spec.config("tpu", avals, params)
+        lower_for_tpu(lambda *a: spec.run(*a, **params, config=config, num_cores=CORES,
+                                          interpret=None),
+                      *[aval(shape, dtype) for shape, dtype in avals])
+    assert calls, f"{info.name}: its examples made no kernel call"
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32"])

@@ -99,7 +99,7 @@ def custom_op(
     autograd = {}
     if backward is not None:
         autograd = dict(backward=_backward_for(sig, backward), setup_context=_save_inputs(sig))
-    triton_traced = None
+    triton_traced = False
     if triton is not None:
         triton_traced = functools.partial(triton, wrap=torch.library.wrap_triton)
 

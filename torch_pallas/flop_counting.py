@@ -1,8 +1,11 @@
 """FLOP formulas for `torch.utils.flop_counter.FlopCounterMode`, registered
-without importing that module: it imports Inductor and Triton (~0.3 s, ten
-times `import torch_pallas`). A formula is registered at once when the module
-is already loaded, otherwise the moment it is imported (a one-shot import
-hook), in either case before any FlopCounterMode exists to copy the registry.
+without importing that module: it imports Inductor and Triton, several times
+what `import torch_pallas` costs. A formula is registered at once when the
+module is already loaded, otherwise the moment it is imported (a one-shot
+import hook, which leaves `sys.meta_path` as it found it), in either case
+before any FlopCounterMode exists: each mode copies the registry when it is
+made, so no lighter way (registering at the op's first call, say) would
+reach a mode made before that.
 """
 
 from __future__ import annotations

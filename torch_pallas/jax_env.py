@@ -80,11 +80,10 @@ def synchronous_cpu_device():
 
     JAX's own CPU client hands every computation estimated at 1,000 FLOPs
     or more to a worker thread and the caller waits for it: a torch op
-    waits at once, and after any pause between calls (a model's Python,
-    other ops) the sleeping worker takes 15-25 us to wake, several times
-    what a small kernel costs. Large kernels stay on JAX's client, which
-    runs them faster here (2-core measurements: a 1024^3 float32 matmul
-    ~10% faster there)."""
+    waits at once, and after any pause between calls the sleeping worker
+    is slow to wake, compared with what a small kernel costs. Large kernels
+    stay on JAX's client, whose threads run them faster (README,
+    "Performance", has the measurements)."""
     jax()
     with _synchronous_cpu_lock:
         try:

@@ -72,7 +72,8 @@ def _entry(op: str, backend: Backend, device: torch.device, avals, params,
         bound = {"interpret": execution["interpret"]} if "interpret" in takes else {}
         return functools.partial(user_function, **params, **bound), {}
     backend, spec = _shipped_kernel(op, backend, device, avals, params)
-    config = spec.config(backend.name, avals, params)
+    target = None if backend.family == "triton" else backends.jax_device(device)
+    config = spec.config(backend.name, avals, params, target)
     entry = functools.partial(spec.run, **params, config=config, **execution)
     return entry, spec.options(backend.name, avals, params)
 

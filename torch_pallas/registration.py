@@ -28,7 +28,7 @@ def define(
     backward: Callable | None = None,
     setup_context: Callable | None = None,
     jvp: Callable | None = None,
-    triton_traced: Callable | None = None,
+    triton_traced: Callable | bool = True,
     flops: Callable | None = None,
 ):
     """Registers op `name` ("namespace::op") and returns it (its torch.ops
@@ -39,9 +39,10 @@ def define(
     - `backward`, `setup_context`: as for `torch.library.register_autograd`;
       `jvp(inputs, tangents)`: the output's tangent, for forward-mode AD;
     - `triton_traced`: what AOTAutograd traces on CUDA tensors, with kernels
-      launched through `torch.library.wrap_triton` (for the shipped ops, the
-      implementation itself, whose kernels are then the Triton ones; None:
-      the op stays one opaque call there too);
+      launched through `torch.library.wrap_triton`: True (the shipped ops)
+      for the implementation itself, whose kernels are the Triton ones
+      while it is traced; a function of the op's arguments (a custom op's
+      Triton implementation); False: the op stays one opaque call there too;
     - `flops(*input_shapes, out_shape)`: the FLOPs of a call, for
       FlopCounterMode (see flop_counting).
 
@@ -70,8 +71,9 @@ def define(
         # Its autograd wrapper drops a forward-mode tangent on an input that
         # does not require grad: refuse such calls rather than lose it.
         lib.impl(opname, _refusing_tangents(name, kernel), "CompositeExplicitAutograd")
-    if triton_traced is not None:
-        compile_path.decompose_to_triton(packet.default, triton_traced, lib)
+    if triton_traced is not False:
+        traced = implementation if triton_traced is True else triton_traced
+        compile_path.decompose_to_triton(packet.default, traced, lib)
     if flops is not None:
         flop_counting.register(packet, flops)
     return packet

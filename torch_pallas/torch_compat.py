@@ -113,11 +113,16 @@ def _dispatch() -> Dispatch:
         after_autograd=C._after_autograd_keyset,
         has_kernel_for=C._dispatch_has_kernel_for_dispatch_key,
         below_views=C._AutoDispatchBelowADInplaceOrView,
-        any_requires_grad=C._any_requires_grad,
+        # torch 2.8 on; before it, the same test in Python.
+        any_requires_grad=getattr(C, "_any_requires_grad", _any_requires_grad),
         functorch_active=C._are_functorch_transforms_active,
         device_only=device_only,
         forward_ad_level=lambda: forward_ad._current_level,
     )
+
+
+def _any_requires_grad(*args) -> bool:
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
 DISPATCH: Dispatch | None = _probe("autograd_kernel", _dispatch)

@@ -196,17 +196,17 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool,
                interpret=interpret)
 
 
-def select_config(backend: str, avals, params) -> MatmulConfig | WarpSpecializedConfig:
+def select_config(backend: str, avals, params, device=None) -> MatmulConfig | WarpSpecializedConfig:
     """On a GPU, the warp-specialized kernel's tuned (or shipped) config for
-    this shape on JAX's first GPU, with one program per SM of it (a kernel
-    is handed no device; a machine's GPUs are alike); the simulator runs the
+    this shape on `device` (the JAX GPU the kernel is built for; None: JAX's
+    first), with one program per SM of it; the simulator runs the
     quickstart's kernel with its hardware tiles (tests/test_matmul_tuning.py
     simulates every tuned config)."""
     if backend != "mosaic_gpu":
         return MatmulConfig.default(backend)
     (a_shape, dtype), (b_shape, _) = avals
     _, m, n, k = matmul_dims(a_shape, b_shape, params["transpose_a"], params["transpose_b"])
-    gpu = matmul_tuning.default_gpu()
+    gpu = device if device is not None else matmul_tuning.default_gpu()
     cache = matmul_tuning.TuningCache(device_kind=gpu.device_kind)
     config = matmul_tuning.config_for(dtype, m, n, k, cache=cache)
     return dataclasses.replace(config, num_programs=gpu.core_count)

@@ -25,9 +25,10 @@ setup(
         "torch_pallas.kernels": "kernels",
     },
     install_requires=[
-        # Any torch from 2.4 on (torch.library.custom_op); the lower bound keeps
-        # an installed CPU build instead of pulling a multi-GB CUDA build.
-        "torch>=2.4",
+        # torch 2.7 on: the oldest with every torch.library API used (README,
+        # "Install and test"); the lower bound keeps an installed CPU build
+        # instead of pulling a multi-GB CUDA build.
+        "torch>=2.7",
         "jax>=0.10.2",
         "jaxlib>=0.10.2",
         "triton>=3.0",

@@ -26,7 +26,7 @@ from torch_pallas import backends, bridge, compilation, launch, registry
 
 # Tiny sizes for the smoke test of the default test run.
 SMOKE = os.environ.get("TORCH_PALLAS_BENCH_SMOKE") == "1"
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DEVICE = backends.default_device()
 
 
 def synchronize() -> None:

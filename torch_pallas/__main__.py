@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                         help="run the ops on this backend (repeatable); default: "
                              "the device's backend")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = backends.default_device()
     report_environment(device)
 
     rows, failed = [], False

@@ -200,6 +200,19 @@ def select(device: torch.device, op: str) -> Backend:
     return b
 
 
+def choice_is_stable(backend: Backend, device: torch.device) -> bool:
+    """Whether a call's backend, once chosen, may be remembered for the same
+    call signature: not Triton on CPU tensors, allowed only while
+    TRITON_INTERPRET is set (read per call)."""
+    return not (backend.family == "triton" and device.type == "cpu")
+
+
+def default_device() -> torch.device:
+    """The device whose backends this machine runs best: a GPU if torch has
+    one, else the CPU (the health report and the benchmarks use it)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def traces_to_triton(device: torch.device) -> bool:
     """Whether torch.compile traces calls on `device` into the ops' Triton
     kernels (torch_pallas/compile_path.py): on CUDA; elsewhere an op stays

@@ -118,9 +118,7 @@ def compiled_kernel(
             raise
 
     kernel = compile_cache.compiled.get(key, build)
-    # Triton on CPU tensors is chosen again per call: it is allowed only
-    # while TRITON_INTERPRET is set.
-    if not (backend.family == "triton" and device.type == "cpu"):
+    if backends.choice_is_stable(backend, device):
         compile_cache.compiled.remember_signature(signature, key, backend)
     return backend, kernel, key
 

@@ -68,7 +68,7 @@ def examples(device: torch.device, requires_grad: bool) -> list[registry.Example
     if requires_grad:
         return []
     return [
-        registry.Example((5000,), {"device": device}, reference(5000, torch.int64), 0.0),
+        registry.Example((3001,), {"device": device}, reference(3001, torch.int64), 0.0),
         registry.Example((11,), {"dtype": torch.int32, "device": device},
                          reference(11, torch.int32), 0.0),
     ]

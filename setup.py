@@ -31,14 +31,17 @@ setup(
         "torch>=2.7",
         "jax>=0.10.2",
         "jaxlib>=0.10.2",
-        "triton>=3.0",
         "numpy",
         # jax.experimental.pallas.mosaic_gpu imports absl, which jax does not
         # declare on CPU-only installs.
         "absl-py",
     ],
     extras_require={
+        # The `triton` backend on CPU (TRITON_INTERPRET=1); CUDA builds of
+        # torch bring their own triton.
+        "triton": ["triton>=3.0"],
         # expecttest: torch.testing._internal (PyTorch's own sample inputs).
-        "test": ["pytest", "pytest-benchmark", "matplotlib", "expecttest"],
+        # transformers: tests/test_nn.py converts a small GPT-2 (its Conv1D layers).
+        "test": ["pytest", "pytest-benchmark", "matplotlib", "expecttest", "triton>=3.0", "transformers"],
     },
 )

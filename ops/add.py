@@ -28,7 +28,7 @@ def broadcast_shape(x: torch.Tensor, y: torch.Tensor) -> torch.Size:
     try:
         return torch.broadcast_shapes(x.shape, y.shape)
     except RuntimeError:
-        raise ValueError(
+        raise checks.RefusedLikeTorch(
             f"{OP}: shapes x {tuple(x.shape)} and y {tuple(y.shape)} do not broadcast"
         ) from None
 

@@ -8,6 +8,13 @@ import torch
 from torch_pallas import dtypes
 
 
+class RefusedLikeTorch(RuntimeError, ValueError):
+    """An input torch's own op refuses too (shapes that do not broadcast,
+    tensors on two devices, a value past the dtype's range): a RuntimeError,
+    the type torch raises for it, and a ValueError, the type these checks
+    raised before, so `except ValueError` written for them keeps working."""
+
+
 def tensor(op: str, name: str, value) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
@@ -16,10 +23,19 @@ def tensor(op: str, name: str, value) -> None:
 
 
 def dtype_in(op: str, name: str, dtype: torch.dtype, supported) -> None:
+    """A tensor argument's dtype (`name` is the tensor's)."""
     if dtype not in supported:
         raise TypeError(
             f"{op}: {name} has dtype {dtype}, which is not supported; "
             f"supported: {dtypes.names(supported)}"
+        )
+
+
+def dtype_argument(op: str, dtype: torch.dtype, supported) -> None:
+    """A factory op's `dtype=` argument."""
+    if dtype not in supported:
+        raise TypeError(
+            f"{op}: dtype={dtype} is not supported; supported: {dtypes.names(supported)}"
         )
 
 
@@ -34,24 +50,59 @@ def same_dtype(op: str, x: torch.Tensor, y: torch.Tensor, names=("x", "y")) -> N
 
 def same_device(op: str, x: torch.Tensor, y: torch.Tensor, names=("x", "y")) -> None:
     if x.device != y.device:
-        raise ValueError(
+        raise RefusedLikeTorch(
             f"{op}: {names[0]} and {names[1]} must be on the same device, got "
             f"{names[0]} on {x.device} and {names[1]} on {y.device}"
         )
 
 
 def size(op: str, name: str, value) -> None:
+    """A size: an int (or a SymInt under torch.compile) >= 0. A negative one
+    raises RuntimeError, as torch's factories do; torch._check, because
+    comparing a SymInt must not force it to a Python bool (that would
+    specialise a compiled graph on the size)."""
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{op}: {name} must be an int, got {value!r}")
     torch._check(value >= 0, lambda: f"{op}: {name} must be >= 0, got {value}")
 
 
-def factory_device(device) -> torch.device:
+def factory_device(op: str, device, *, fake: bool = False) -> torch.device:
     """The device a factory op creates on: a CUDA device without an index is
-    the current one, as for torch's factories."""
+    the current one, as for torch's factories. A CUDA device this process
+    cannot use raises the exception type torch.full raises for it, naming
+    `op`: AssertionError where torch is built without CUDA, RuntimeError
+    where it sees no GPU or not that index.
+
+    `fake` (the op's fake function: torch.compile, export) checks nothing:
+    a graph may be traced for a GPU the tracing machine lacks, as torch's own
+    factories may be under fake tensors; the implementation checks when it
+    runs. A missing index is then the one FakeTensor itself picks."""
     device = torch.device(device) if device is not None else torch.get_default_device()
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        return device
+    if fake:
+        if device.index is None:
+            index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+            device = torch.device("cuda", index)
+        return device
+    if not torch.backends.cuda.is_built():
+        raise AssertionError(
+            f"{op}: device={device} was asked for, but this torch is not compiled with "
+            "CUDA enabled (a CPU-only build); use device='cpu' or a CUDA build of torch"
+        )
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise RuntimeError(
+            f"{op}: device={device} was asked for, but torch sees no CUDA GPU "
+            "(torch.cuda.device_count() == 0: no driver, or CUDA_VISIBLE_DEVICES hides them)"
+        )
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= count:
+        raise RuntimeError(
+            f"{op}: device={device} does not exist; torch sees {count} CUDA "
+            f"GPU{'s' if count > 1 else ''}: {', '.join(f'cuda:{i}' for i in range(count))}"
+        )
     return device
 
 

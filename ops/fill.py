@@ -34,22 +34,24 @@ def result_dtype(value, dtype: torch.dtype | None) -> torch.dtype:
         raise TypeError(f"{OP}: value must be a real number, got {value!r}")
     if dtype is None:
         dtype = default
-    checks.dtype_in(OP, "dtype", dtype, DTYPES)
+    checks.dtype_argument(OP, dtype, DTYPES)
     return dtype
 
 
 def kernel_value(value, dtype: torch.dtype):
     """`value` as the kernel writes it: converted the way torch.full converts
-    it (ints truncate; a finite value past the dtype's range raises; 16-bit
+    it (ints truncate; a finite value past the dtype's range, or a NaN or
+    infinity for an int dtype, raises RuntimeError as torch's does; 16-bit
     floats are rounded through float32 first, as torch rounds a double), and
-    checked to survive the 32-bit computation."""
+    checked to survive the 32-bit computation (ValueError: a limit of the
+    kernels, not torch's)."""
     if dtype.is_floating_point:
         value = float(value)
         if math.isnan(value):
             return math.nan  # one object, so compiled kernels are reused
         info = torch.finfo(dtype)
         if math.isfinite(value) and not info.min <= value <= info.max:
-            raise ValueError(
+            raise checks.RefusedLikeTorch(
                 f"{OP}: value {value!r} cannot be converted to {dtype} without overflow"
             )
         in_float32 = float(torch.tensor(value, dtype=torch.float32))
@@ -61,7 +63,14 @@ def kernel_value(value, dtype: torch.dtype):
                 "the kernel computes float64 results in; use dtype=torch.float32"
             )
         return value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise checks.RefusedLikeTorch(f"{OP}: value {value!r} cannot be converted to {dtype}")
     value = int(value)
+    info = torch.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        raise checks.RefusedLikeTorch(
+            f"{OP}: value {value} cannot be converted to {dtype} without overflow"
+        )
     if not dtypes.INT32_MIN <= value <= dtypes.INT32_MAX:
         raise ValueError(
             f"{OP}: value {value} does not fit the int32 the kernel computes "
@@ -79,7 +88,7 @@ def _check_size(size) -> tuple:
 def fill_implementation(size, value, *, dtype=None, device=None):
     size = _check_size(size)
     dtype = result_dtype(value, dtype)
-    device = checks.factory_device(device)
+    device = checks.factory_device(OP, device)
     value = kernel_value(value, dtype)
     if math.prod(size) == 0 or device.type == "meta":
         return torch.empty(size, dtype=dtype, device=device)
@@ -94,7 +103,7 @@ def fill_implementation(size, value, *, dtype=None, device=None):
 def fill_fake(size, value, *, dtype=None, device=None):
     size = _check_size(size)
     dtype = result_dtype(value, dtype)
-    return torch.empty(size, dtype=dtype, device=checks.factory_device(device))
+    return torch.empty(size, dtype=dtype, device=checks.factory_device(OP, device, fake=True))
 
 
 registration.define(
@@ -112,8 +121,11 @@ def fill(size: int | Sequence[int], value, *, dtype=None, device=None) -> torch.
     an int, the default float dtype for a float. Supported: float32,
     float16, bfloat16, int32, and int64/float64 for values exact in 32 bits.
     """
-    if isinstance(size, int):
+    if isinstance(size, (int, torch.SymInt)):
         size = (size,)
+    # Before the dispatcher, which refuses a float size with a RuntimeError:
+    # torch.full raises TypeError, and this names the position.
+    _check_size(size)
     return torch.ops.pallas.fill(size, value, dtype=dtype, device=checks.caller_device(device))
 
 

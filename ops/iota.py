@@ -1,10 +1,22 @@
 """torch.ops.pallas.iota(n, *, dtype=None, device=None): [0, 1, ..., n-1],
 like torch.arange(n) (int64 by default).
 
-Each value is the integer rounded once to the dtype (torch.arange in
-bfloat16 rounds some values past 4096 differently). The kernel counts in
-int32 and writes the output dtype; int64 and float64
-results are widened from 32 bits, exact for every n accepted (n < 2**31).
+Each value is the integer cast to the dtype, in float16 and bfloat16 rounded
+once to nearest (ties to even; exact integers in float32 up to 2**24), as
+torch.arange computes on CUDA (RangeFactories.cu: the index in float, cast
+once). torch.arange on CPU differs (RangeFactoriesKernel.cpp,
+Vectorized16::arange): it casts the first index of each SIMD vector (16
+lanes with AVX2, 32 with AVX-512) to the dtype, adds the lane offsets to
+that cast value and casts again, so where a vector's first index rounds
+down (a tie, to even) the lanes after it repeat that value, one step below
+the nearest. Which positions differ depends on the vector width and on where
+torch's threads split the range, so no kernel matches it on every machine,
+and where the two differ the op's value is the nearer: bfloat16 4113 is
+4096 in torch on CPU, 4128 here; arange(70000) in float16 (AVX2) differs at
+7,680 positions, each 32 lower in torch (other positions on 2 threads than
+on 1). The kernel counts in int32 and writes the output dtype; int64 and
+float64 results are widened from 32 bits, exact for every n accepted
+(n < 2**31).
 """
 
 from __future__ import annotations
@@ -25,13 +37,13 @@ def _check(n, dtype) -> torch.dtype:
         lambda: f"{OP}: n={n} is too large; the kernel counts in int32 (n < 2**31)",
     )
     dtype = torch.int64 if dtype is None else dtype
-    checks.dtype_in(OP, "dtype", dtype, DTYPES)
+    checks.dtype_argument(OP, dtype, DTYPES)
     return dtype
 
 
 def iota_implementation(n, *, dtype=None, device=None):
     dtype = _check(n, dtype)
-    device = checks.factory_device(device)
+    device = checks.factory_device(OP, device)
     if n == 0 or device.type == "meta":
         return torch.empty((n,), dtype=dtype, device=device)
     # 64-bit results: count in int32 (exact below 2**31), widen afterwards.
@@ -42,7 +54,7 @@ def iota_implementation(n, *, dtype=None, device=None):
 
 def iota_fake(n, *, dtype=None, device=None):
     dtype = _check(n, dtype)
-    return torch.empty((n,), dtype=dtype, device=checks.factory_device(device))
+    return torch.empty((n,), dtype=dtype, device=checks.factory_device(OP, device, fake=True))
 
 
 registration.define(
@@ -54,12 +66,18 @@ registration.define(
 
 
 def iota(n: int, *, dtype=None, device=None) -> torch.Tensor:
-    """[0, 1, ..., n-1], like `torch.arange(n)` (int64 unless `dtype` says)."""
+    """[0, 1, ..., n-1], like `torch.arange(n)` (int64 unless `dtype` says).
+
+    In float16 and bfloat16 each integer is rounded once to the nearest
+    value, as torch.arange rounds on CUDA; torch.arange on CPU rounds some
+    positions a step lower (see this module's docstring)."""
+    checks.size(OP, "n", n)  # before the dispatcher, which refuses a float n with a RuntimeError
     return torch.ops.pallas.iota(n, dtype=dtype, device=checks.caller_device(device))
 
 
 def reference(n: int, dtype) -> torch.Tensor:
-    """Each integer rounded once to `dtype`."""
+    """Each integer rounded once to `dtype` (the op's rule; torch.arange on
+    CPU rounds some float16/bfloat16 positions differently)."""
     return torch.arange(n, dtype=torch.float64).to(dtype)
 
 

@@ -39,7 +39,10 @@ def output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
     checks.tensor(OP, "b", b)
     for name, t in (("a", a), ("b", b)):
         if t.dim() == 0:
-            raise ValueError(f"{OP}: {name} must have at least 1 dimension, got a 0-d tensor")
+            raise checks.RefusedLikeTorch(
+                f"{OP}: {name} must have at least 1 dimension, got a 0-d tensor "
+                f"({name}.shape=())"
+            )
     checks.same_dtype(OP, a, b, names=("a", "b"))
     checks.dtype_in(OP, "a", a.dtype, DTYPES)
     checks.same_device(OP, a, b, names=("a", "b"))
@@ -68,7 +71,7 @@ def batch_shape(a: torch.Tensor, b: torch.Tensor):
     try:
         return torch.broadcast_shapes(a_batch, b_batch)
     except RuntimeError:
-        raise ValueError(
+        raise checks.RefusedLikeTorch(
             f"{OP}: batch dimensions of a.shape={tuple(a.shape)} and "
             f"b.shape={tuple(b.shape)} do not broadcast"
         ) from None

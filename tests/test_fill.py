@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -90,13 +91,106 @@ def test_signed_zeros_and_nan_each_get_their_own_kernel():
     assert compile_cache.compiled.builds == builds
 
 
+def cuda_machine(monkeypatch, *, built=True, count=1, current=0):
+    """Makes torch look built with CUDA and see `count` GPUs, `current` the
+    current one: only the device checks ask (no kernel runs in these tests)."""
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: built)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
 def test_a_cuda_device_without_index_means_the_current_one(monkeypatch):
     from torch_pallas.ops import checks
 
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert checks.factory_device("cuda") == torch.device("cuda", 3)
-    assert checks.factory_device("cuda:1") == torch.device("cuda", 1)
-    assert checks.factory_device("cpu") == torch.device("cpu")
+    cuda_machine(monkeypatch, count=4, current=3)
+    assert checks.factory_device("pallas::fill", "cuda") == torch.device("cuda", 3)
+    assert checks.factory_device("pallas::fill", "cuda:1") == torch.device("cuda", 1)
+    assert checks.factory_device("pallas::fill", "cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("op", ["fill", "iota"])
+def test_a_cuda_device_that_cannot_be_used_is_refused_like_torch(monkeypatch, op):
+    """torch.full raises AssertionError on a torch built without CUDA and
+    RuntimeError for a GPU it does not see; the ops raise the same types,
+    naming themselves, the device and what exists, before any kernel."""
+    def call(device):
+        if op == "fill":
+            return torch.ops.pallas.fill((2, 3), random.uniform(-9, 9), device=device)
+        return torch.ops.pallas.iota(random.randint(1, 99), device=device)
+
+    index = random.randint(0, 7)
+    cuda_machine(monkeypatch, built=False)
+    with pytest.raises(AssertionError, match=f"pallas::{op}: device=cuda:{index} .*not compiled with CUDA"):
+        call(f"cuda:{index}")
+    cuda_machine(monkeypatch, count=0)
+    with pytest.raises(RuntimeError, match=f"pallas::{op}: device=cuda .*sees no CUDA GPU"):
+        call("cuda")
+    count = random.randint(1, 4)
+    cuda_machine(monkeypatch, count=count)
+    missing = count + random.randint(0, 3)
+    with pytest.raises(RuntimeError, match=f"pallas::{op}: device=cuda:{missing} does not exist; "
+                       f"torch sees {count} CUDA GPU.*cuda:{count - 1}$"):
+        call(f"cuda:{missing}")
+
+
+def test_a_cuda_fake_is_traced_without_asking_the_machine(monkeypatch):
+    """Tracing (fake tensors, as torch.compile and export use) may target a
+    GPU this machine lacks, as torch.full's own fake may; the CUDA index left
+    out is the one FakeTensor picks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cuda_machine(monkeypatch, built=False)
+    with FakeTensorMode():
+        out = torch.ops.pallas.fill((2, 3), 1.5, device="cuda")
+        expected = torch.full((2, 3), 1.5, device="cuda")
+    assert out.device == expected.device and out.shape == (2, 3)
+
+
+def test_bad_sizes_are_refused_like_torch_full():
+    """A negative size is a RuntimeError and a float one a TypeError, as in
+    torch.full; each message names the op, the position and the value."""
+    negative = -random.randint(1, 10**6)
+    size = (random.randint(1, 9), negative)
+    with pytest.raises(RuntimeError) as torch_error:
+        torch.full(size, 1.0)
+    with pytest.raises(type(torch_error.value), match=rf"pallas::fill: size\[1\] must be >= 0, got {negative}"):
+        torch.ops.pallas.fill(size, 1.0)
+    fractional = random.randint(1, 9) + 0.5
+    with pytest.raises(TypeError):
+        torch.full((fractional,), 1.0)
+    with pytest.raises(TypeError, match=rf"pallas::fill: size\[0\] must be an int, got {fractional}"):
+        torch_pallas.fill((fractional, 3), 1.0)
+
+
+def test_values_torch_full_refuses_raise_its_type(monkeypatch):
+    """A value past the dtype's range (or a NaN or infinity for an int
+    dtype) raises what torch.full raises for it, a RuntimeError (a ValueError
+    too, as before), naming the op, the value and the dtype."""
+    from torch_pallas import launch
+
+    monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("a kernel was reached"))
+    sign = random.choice((-1, 1))
+    cases = [
+        (sign * (2**31 + random.randint(0, 2**20)), torch.int32),
+        (sign * random.uniform(65520, 1e6), torch.float16),
+        (sign * random.uniform(3.5e38, 1e300), torch.float32),
+        (random.choice((math.inf, -math.inf, math.nan)), torch.int64),
+        (2**63 + random.randint(0, 99), torch.int64),  # (below -2**63, the dispatcher refuses the Scalar first)
+    ]
+    for value, dtype in cases:
+        with pytest.raises(RuntimeError) as torch_error:
+            torch.full((3,), value, dtype=dtype)
+        with pytest.raises(type(torch_error.value)) as info:
+            torch.ops.pallas.fill((3,), value, dtype=dtype)
+        assert isinstance(info.value, ValueError)
+        assert f"pallas::fill: value {value!r} cannot be converted to {dtype}" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.complex64, torch.int16, torch.uint8])
+def test_an_unsupported_dtype_is_named_as_the_argument(dtype):
+    value = True if dtype == torch.bool else random.randint(1, 100)
+    with pytest.raises(TypeError, match=f"^pallas::fill: dtype={dtype} is not supported; supported: float32, "):
+        torch.ops.pallas.fill((2, 3), value, dtype=dtype)
 
 
 EDGE_VALUES = {
@@ -115,7 +209,7 @@ def test_fill_edge_values_like_torch_full(cpu_backend, dtype):
         try:
             expected = torch.full((2,), value, dtype=dtype)
         except RuntimeError:
-            with pytest.raises(ValueError, match="pallas::fill: value .* without overflow"):
+            with pytest.raises(RuntimeError, match="pallas::fill: value .* without overflow"):
                 torch.ops.pallas.fill((2,), value, dtype=dtype)
             continue
         out = torch.ops.pallas.fill((2,), value, dtype=dtype)

@@ -1,16 +1,19 @@
-"""torch_pallas.nn: the drop-in Linear, replace_linear, and a small
-transformer that trains the same with and without the Pallas matmul."""
+"""torch_pallas.nn: the drop-in Linear and Conv1D, replace_linear and what
+it reports, a small transformer that trains the same with and without the
+Pallas matmul, and a small GPT-2 (transformers' Conv1D) converted."""
 
 from __future__ import annotations
 
 import copy
+import io
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import torch_pallas
-from torch_pallas.nn import Linear, replace_linear
+from torch_pallas.nn import Linear, converted, replace_linear
 
 
 class Block(nn.Module):
@@ -144,6 +147,11 @@ def test_linear_with_a_bias_of_another_dtype_raises_like_torch():
         pallas(x)
 
 
+class Scaled(nn.Linear):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
 def pallas_matmuls(fn) -> int:
     """How many pallas::matmul calls `fn()` makes."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -189,11 +197,115 @@ def test_replace_linear_makes_a_lazy_linear_pallas_once_it_materialises():
 
 
 def test_replace_linear_leaves_subclasses_alone():
-    class Scaled(nn.Linear):
-        def forward(self, x):
-            return 2 * super().forward(x)
-
     attention = nn.MultiheadAttention(8, 2)
-    model = replace_linear(nn.Sequential(Scaled(3, 3), attention))
+    with pytest.warns(UserWarning, match=r"\(NonDynamicallyQuantizableLinear, Scaled\) are left alone"):
+        model = replace_linear(nn.Sequential(Scaled(3, 3), attention))
     assert type(model[0]) is Scaled
     assert type(attention.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+
+
+def test_replace_linear_reports_what_it_converted(capsys):
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 2), Scaled(2, 2)))
+    assert converted(model) == []
+    assert replace_linear(model, verbose=True) is model
+    assert converted(model) == ["0", "2.0"]
+    printed = capsys.readouterr().out
+    assert "replace_linear(Sequential), in place" in printed
+    assert "  0: Linear -> torch_pallas.nn.Linear" in printed
+    assert "  2.0: Linear -> torch_pallas.nn.Linear" in printed
+    assert "  2.1: Scaled left alone" in printed
+    assert converted(replace_linear(nn.Linear(3, 3))) == [""]
+    assert converted(nn.Sequential(Linear(3, 3))) == ["0"]  # built on Pallas, not converted
+
+
+def test_replace_linear_warns_on_a_model_without_linear_layers():
+    with pytest.warns(UserWarning, match="replace_linear: Sequential holds no torch.nn.Linear or transformers Conv1D"):
+        replace_linear(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU()))
+    with pytest.warns(UserWarning, match=r"MultiheadAttention holds no .*\(NonDynamicallyQuantizableLinear\) are left alone"):
+        replace_linear(nn.MultiheadAttention(8, 2))
+    model = replace_linear(nn.Sequential(nn.Linear(3, 3)))
+    lazy = nn.Sequential(nn.LazyLinear(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replace_linear(model)  # already converted: nothing new, nothing to warn about
+        replace_linear(lazy)  # converts when it materialises
+
+
+# A GPT-2 built from a small config (no weights downloaded): its attention
+# (c_attn, c_proj) and MLP (c_fc, c_proj) are transformers Conv1D, lm_head an
+# nn.Linear tied to the token embedding.
+GPT2_LAYERS = 2
+
+
+def transformers_conv1d() -> type:
+    return pytest.importorskip("transformers.pytorch_utils").Conv1D
+
+
+def small_gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=GPT2_LAYERS, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    return transformers.GPT2LMHeadModel(config).eval()  # eval: no dropout, so both models compute the same
+
+
+def test_gpt2_runs_on_the_pallas_matmul_with_the_same_logits_and_gradients():
+    reference = small_gpt2()
+    TransformersConv1D = transformers_conv1d()
+    model = copy.deepcopy(reference)
+    params = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert replace_linear(model) is model
+
+    projections = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    assert converted(model) == [f"transformer.h.{i}.{p}" for i in range(GPT2_LAYERS) for p in projections] + [
+        "lm_head"
+    ]
+    c_attn = model.transformer.h[0].attn.c_attn
+    assert type(c_attn) is torch_pallas.nn.Conv1D and isinstance(c_attn, TransformersConv1D)
+    assert type(model.lm_head) is Linear and model.lm_head.weight is model.transformer.wte.weight  # still tied
+    assert all(p is params[name] for name, p in model.named_parameters())
+    after = model.state_dict()
+    assert after.keys() == state.keys()
+    for name, tensor in after.items():
+        torch.testing.assert_close(tensor, state[name], rtol=0, atol=0, msg=name)
+
+    tokens = torch.randint(0, 128, (2, 16))
+    assert pallas_matmuls(lambda: model(tokens)) == len(projections) * GPT2_LAYERS + 1  # + lm_head
+    out, expected = model(tokens, labels=tokens), reference(tokens, labels=tokens)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=1e-5)  # float32
+    out.loss.backward()
+    expected.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_conv1d_is_a_drop_in_transformers_conv1d():
+    TransformersConv1D = transformers_conv1d()
+    theirs = TransformersConv1D(7, 13)  # nf (out), nx (in)
+    ours = torch_pallas.nn.Conv1D(7, 13)
+    ours.load_state_dict(theirs.state_dict())
+    assert isinstance(ours, TransformersConv1D) and ours.weight.shape == (13, 7)
+    for shape in [(13,), (5, 13), (2, 3, 13)]:
+        x = torch.randn(shape)
+        assert pallas_matmuls(lambda: ours(x)) == 1
+        torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
+    # pickled by reference to torch_pallas.nn.Conv1D, as torch.save(model) does
+    buffer = io.BytesIO()
+    torch.save(nn.Sequential(ours), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)[0]
+    assert type(loaded) is torch_pallas.nn.Conv1D
+    torch.testing.assert_close(loaded(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+def test_replace_linear_keeps_a_conv1d_parametrization():
+    from torch.nn.utils import parametrizations, parametrize
+
+    reference = parametrizations.weight_norm(transformers_conv1d()(5, 9))
+    model = replace_linear(copy.deepcopy(reference))
+    assert isinstance(model, torch_pallas.nn.Conv1D) and converted(model) == [""]
+    x = torch.randn(4, 9)
+    assert pallas_matmuls(lambda: model(x)) == 1
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+    parametrize.remove_parametrizations(model, "weight")
+    assert type(model) is torch_pallas.nn.Conv1D
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)

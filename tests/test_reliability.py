@@ -17,12 +17,42 @@ from helpers import CPU_BACKENDS
 P = torch.ops.pallas
 f32 = dict(dtype=torch.float32)
 
+
+def cuda_device_inputs():
+    """A CUDA device this machine cannot give a factory op: the exception
+    type torch.full raises for it (AssertionError where torch is built
+    without CUDA, RuntimeError where it sees no GPU or not that index),
+    named by the op."""
+    if not torch.backends.cuda.is_built():
+        return [
+            (lambda: P.fill((2, 3), 1.0, device="cuda"), AssertionError,
+             ["pallas::fill", "device=cuda", "not compiled with CUDA"]),
+            (lambda: torch_pallas.iota(4, device="cuda:7"), AssertionError,
+             ["pallas::iota", "device=cuda:7", "not compiled with CUDA"]),
+        ]
+    count = torch.cuda.device_count()
+    if count == 0:
+        return [(lambda: P.fill((2, 3), 1.0, device="cuda"), RuntimeError,
+                 ["pallas::fill", "device=cuda", "sees no CUDA GPU"])]
+    return [
+        (lambda: P.fill((2, 3), 1.0, device=f"cuda:{count}"), RuntimeError,
+         ["pallas::fill", f"device=cuda:{count} does not exist", f"cuda:{count - 1}"]),
+        (lambda: P.iota(4, device=f"cuda:{count + 6}"), RuntimeError,
+         ["pallas::iota", f"device=cuda:{count + 6} does not exist"]),
+    ]
+
+
+CUDA_DEVICE_INPUTS = cuda_device_inputs()
+
 # (call, exception type, words the message must contain)
 BAD_INPUTS = [
-    (lambda: P.matmul(torch.tensor(1.0), torch.randn(3)), ValueError, ["pallas::matmul", "a", "0-d"]),
+    # Shapes and devices torch refuses too raise torch's RuntimeError (also a
+    # ValueError, the type they had before: test_shape_and_device_errors_stay_value_errors).
+    (lambda: P.matmul(torch.tensor(1.0), torch.randn(3)), RuntimeError,
+     ["pallas::matmul", "a must have at least 1 dimension", "a.shape=()"]),
     (lambda: P.matmul(torch.randn(4, 3), torch.randn(4, 5)), RuntimeError,
      ["pallas::matmul", "inner dimensions", "(4, 3)", "(4, 5)"]),
-    (lambda: P.matmul(torch.randn(2, 4, 3), torch.randn(5, 3, 2)), ValueError,
+    (lambda: P.matmul(torch.randn(2, 4, 3), torch.randn(5, 3, 2)), RuntimeError,
      ["pallas::matmul", "batch dimensions", "(2, 4, 3)", "(5, 3, 2)"]),
     (lambda: P.matmul(torch.randn(2, 3), torch.randn(3, 2).half()), TypeError,
      ["pallas::matmul", "same dtype", "torch.float32", "torch.float16"]),
@@ -32,7 +62,7 @@ BAD_INPUTS = [
      TypeError, ["pallas::matmul", "torch.bool"]),
     (lambda: P.matmul(torch.randn(2, 3, dtype=torch.complex64), torch.randn(3, 2, dtype=torch.complex64)),
      TypeError, ["pallas::matmul", "torch.complex64"]),
-    (lambda: P.matmul(torch.randn(2, 3), torch.randn(3, 2, device="meta")), ValueError,
+    (lambda: P.matmul(torch.randn(2, 3), torch.randn(3, 2, device="meta")), RuntimeError,
      ["pallas::matmul", "same device", "cpu", "meta"]),
     # (the torch dispatcher itself names the op, argument and type here)
     (lambda: P.matmul(torch.randn(2, 3), "b"), RuntimeError, ["pallas::matmul", "argument 'b'", "str"]),
@@ -40,7 +70,7 @@ BAD_INPUTS = [
      ["pallas::matmul", "a", "dense", "torch.sparse_coo"]),
     (lambda: P.add(torch.randn(3), torch.randn(3).to_sparse()), TypeError,
      ["pallas::add", "y", "dense", "torch.sparse_coo"]),
-    (lambda: P.add(torch.randn(3, 4), torch.randn(5)), ValueError,
+    (lambda: P.add(torch.randn(3, 4), torch.randn(5)), RuntimeError,
      ["pallas::add", "(3, 4)", "(5,)", "broadcast"]),
     (lambda: P.add(torch.randn(3), torch.randn(3).bfloat16()), TypeError,
      ["pallas::add", "same dtype", "torch.bfloat16"]),
@@ -48,15 +78,32 @@ BAD_INPUTS = [
      ["pallas::add", "torch.int64", "not supported"]),
     (lambda: P.add(torch.ones(3, dtype=torch.bool), torch.ones(3, dtype=torch.bool)), TypeError,
      ["pallas::add", "torch.bool"]),
-    (lambda: P.add(torch.randn(3), torch.randn(3, device="meta")), ValueError,
+    (lambda: P.add(torch.randn(3), torch.randn(3, device="meta")), RuntimeError,
      ["pallas::add", "same device", "meta"]),
-    (lambda: P.fill((3, -1), 1.0), RuntimeError, ["pallas::fill", "size[1]", "-1"]),
-    (lambda: P.fill((2.5,), 1.0), (TypeError, RuntimeError), ["2.5"]),
-    (lambda: P.fill((3,), 1.0, dtype=torch.complex64), TypeError, ["pallas::fill", "torch.complex64"]),
+    # A negative size: RuntimeError, as torch.full((3, -1), 1.0) raises.
+    (lambda: P.fill((3, -1), 1.0), RuntimeError, ["pallas::fill", "size[1] must be >= 0", "-1"]),
+    # A float size: torch's dispatcher refuses it for the op (RuntimeError,
+    # naming the op, the argument and the value); the Python functions check
+    # first and raise TypeError, as torch.full((2.5,), 1.0) does.
+    (lambda: P.fill((2.5,), 1.0), RuntimeError, ["pallas::fill()", "argument 'size'", "(2.5,)"]),
+    (lambda: torch_pallas.fill((3, 2.5), 1.0), TypeError, ["pallas::fill", "size[1] must be an int", "2.5"]),
+    (lambda: P.fill((2, 3), True, dtype=torch.bool), TypeError,
+     ["pallas::fill: dtype=torch.bool is not supported", "supported: float32"]),
+    (lambda: P.fill((3,), 1.0, dtype=torch.complex64), TypeError,
+     ["pallas::fill: dtype=torch.complex64 is not supported"]),
     (lambda: P.fill((3,), 2**40, dtype=torch.int64), ValueError, ["pallas::fill", "int32", str(2**40)]),
-    (lambda: P.iota(-4), RuntimeError, ["pallas::iota", "n", "-4"]),
+    # Past the dtype's range: RuntimeError, as torch.full raises.
+    (lambda: P.fill((3,), -1e39, dtype=torch.float32), RuntimeError,
+     ["pallas::fill", "value -1e+39", "torch.float32", "overflow"]),
+    (lambda: P.fill((3,), 2**31, dtype=torch.int32), RuntimeError,
+     ["pallas::fill", f"value {2**31}", "torch.int32", "overflow"]),
+    (lambda: P.fill((3,), float("-inf"), dtype=torch.int64), RuntimeError,
+     ["pallas::fill: value -inf cannot be converted to torch.int64"]),
+    (lambda: P.iota(-4), RuntimeError, ["pallas::iota", "n must be >= 0", "-4"]),
     (lambda: P.iota(2**31), RuntimeError, ["pallas::iota", str(2**31), "int32"]),
-    (lambda: P.iota(5, dtype=torch.bool), TypeError, ["pallas::iota", "torch.bool"]),
+    (lambda: P.iota(5, dtype=torch.bool), TypeError, ["pallas::iota: dtype=torch.bool is not supported"]),
+    (lambda: torch_pallas.iota(2.5), TypeError, ["pallas::iota", "n must be an int", "2.5"]),
+    *CUDA_DEVICE_INPUTS,
 ]
 
 
@@ -71,6 +118,22 @@ def test_bad_input_is_refused_clearly_before_any_kernel(monkeypatch, call, error
     message = str(info.value)
     for word in words:
         assert word in message, f"{word!r} missing from: {message}"
+
+
+def test_shape_and_device_errors_stay_value_errors():
+    """The checks whose type changed to torch's RuntimeError still raise a
+    ValueError, so `except ValueError` written for them keeps working."""
+    calls = [
+        lambda: P.matmul(torch.tensor(1.0), torch.randn(3)),
+        lambda: P.add(torch.randn(3, 4), torch.randn(5)),
+        lambda: P.add(torch.randn(3), torch.randn(3, device="meta")),
+        lambda: P.fill((3,), 1e39, dtype=torch.float16),
+        lambda: P.fill((3,), float("nan"), dtype=torch.int32),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError) as info:
+            call()
+        assert isinstance(info.value, RuntimeError)
 
 
 @pytest.mark.parametrize("name", ["mosaic_gpu", "triton"])

@@ -24,6 +24,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import importlib.util
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -158,8 +159,18 @@ def available(device_type: str) -> list[Backend]:
     return [BACKENDS[n] for n in names + (["triton"] if triton_kernels.interpreting() else [])]
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def check_serves(b: Backend, device: torch.device, op: str) -> None:
     """Raises BackendError unless backend `b` can run `op` on `device`."""
+    if b.family == "triton" and not _triton_installed():
+        raise BackendError(
+            f"{op}: backend 'triton' needs the triton package (pip install triton, or "
+            "torch_pallas[triton]; CUDA builds of torch bring it)"
+        )
     if b.name == "triton" and device.type == "cpu":
         if triton_kernels.interpreting():
             return

@@ -42,6 +42,7 @@ setup(
         "triton": ["triton>=3.0"],
         # expecttest: torch.testing._internal (PyTorch's own sample inputs).
         # transformers: tests/test_nn.py converts a small GPT-2 (its Conv1D layers).
-        "test": ["pytest", "pytest-benchmark", "matplotlib", "expecttest", "triton>=3.0", "transformers"],
+        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "matplotlib", "expecttest", "triton>=3.0",
+                 "transformers"],
     },
 )

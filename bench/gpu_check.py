@@ -162,7 +162,8 @@ def check_compile(failures: list[str]) -> None:
 
 def run_gpu_tests(failures: list[str]) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-n", "0", "-p", "no:cacheprovider",
+         "tests"],
         cwd=ROOT,
     )
     if result.returncode not in (0, 5):

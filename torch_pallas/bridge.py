@@ -1,8 +1,9 @@
-"""Tensors across the torch/JAX border through DLPack, without copies.
+"""Tensors across the torch/JAX border without copies.
 
-A contiguous tensor crosses as a view of the same memory in both directions
-(`jax.dlpack.from_dlpack(tensor)`, `torch.from_dlpack(array)`); on CUDA the
-DLPack protocol's stream argument orders the two libraries' streams. What
+A contiguous tensor crosses as a view of the same memory in both directions:
+CPU tensors into JAX as NumPy views (`to_kernel_argument`, `to_jax`), CUDA
+tensors through DLPack, whose stream argument orders the two libraries'
+streams, and results back through DLPack (`torch.from_dlpack(array)`). What
 DLPack cannot take directly is made acceptable first, never reinterpreted:
 
 - a tensor that requires grad is detached (torch refuses to export it);
@@ -37,17 +38,37 @@ CPU_DL_DEVICE = 1  # DLPack's kDLCPU
 
 
 def to_jax(tensor: torch.Tensor, device=None):
-    """A JAX array over the same memory as `tensor` (a copy only when the
-    layout or requires_grad forbids sharing); `device`: the JAX CPU device
-    to import a CPU tensor to (default: JAX's own)."""
+    """A JAX array over the same memory as `tensor`. `device`, for a CPU
+    tensor: the JAX CPU device to put it on, of JAX's client or of the
+    package's synchronous one (default: JAX's first CPU device); a CUDA
+    tensor stays on its GPU. A copy is made only where the layout or
+    requires_grad forbids sharing (see the module's notes) or, on CPU,
+    where the data is not 64-byte aligned (a view at an odd offset, which
+    DLPack's import copies too; torch's CPU allocations are aligned).
+    Writes to the tensor show in the array and must not race a computation
+    reading it.
+
+    A CPU tensor goes as its NumPy view (`to_kernel_argument`) through
+    `jax.device_put`, not as a DLPack capsule, so that exiting is safe: the
+    array keeps the tensor alive by a Python reference, which jaxlib, when
+    one of its worker threads frees the array, queues for a thread holding
+    the GIL to drop, and never drops on the worker. A process may thus exit
+    while computations on these arrays still run. A DLPack import left the
+    tensor to torch's deleter on whichever thread freed the array last:
+    where the tensor's Python object had died and a computation on JAX's
+    asynchronous CPU client was still running, the worker finishing it
+    took the GIL, and if the interpreter was shutting down by then, CPython
+    ended that thread inside jaxlib and the process aborted (SIGABRT,
+    "terminate called without an active exception"; tests/test_exit.py).
+    The price is jax.device_put's Python: ~90 µs a call against 6-10 µs
+    for the DLPack import (2-core VM), nothing for inputs prepared once, as
+    the benchmarks' are; kernel launches take `to_kernel_argument`'s views
+    directly. CUDA tensors cross by DLPack's protocol, which orders the two
+    libraries' streams."""
     tensor = row_major(shareable(tensor))
-    if device is not None and tensor.device.type == "cpu":
-        try:
-            return jax_env.dlpack_to_buffer()(
-                torch.utils.dlpack.to_dlpack(tensor), device, None, CPU_DL_DEVICE
-            )
-        except Exception:  # a JAX whose internals differ: import, then move (a copy)
-            return jax_env.jax().device_put(_importer()(tensor), device)
+    if tensor.device.type == "cpu":
+        jax = jax_env.jax()
+        return jax.device_put(to_kernel_argument(tensor), device or jax.devices("cpu")[0])
     return _importer()(tensor)
 
 

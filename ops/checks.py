@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas import dtypes
+from torch_pallas import compile_path, dtypes
 
 
 class RefusedLikeTorch(RuntimeError, ValueError):
@@ -73,14 +73,15 @@ def factory_device(op: str, device, *, fake: bool = False) -> torch.device:
     `op`: AssertionError where torch is built without CUDA, RuntimeError
     where it sees no GPU or not that index.
 
-    `fake` (the op's fake function: torch.compile, export) checks nothing:
+    `fake` (the op's fake function: torch.compile, export), like a trace of
+    the op into its Triton kernels (torch_pallas/compile_path.py), checks nothing:
     a graph may be traced for a GPU the tracing machine lacks, as torch's own
     factories may be under fake tensors; the implementation checks when it
     runs. A missing index is then the one FakeTensor itself picks."""
     device = torch.device(device) if device is not None else torch.get_default_device()
     if device.type != "cuda":
         return device
-    if fake:
+    if fake or compile_path.tracing_triton():  # traced into the Triton kernels, not run
         if device.index is None:
             index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
             device = torch.device("cuda", index)

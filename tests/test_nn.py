@@ -238,11 +238,15 @@ GPT2_LAYERS = 2
 
 
 def transformers_conv1d() -> type:
-    return pytest.importorskip("transformers.pytorch_utils").Conv1D
+    # transformers is a test dependency (setup.py's test extra), imported here
+    # only: the import costs seconds, and torch_pallas never makes it.
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D
 
 
 def small_gpt2():
-    transformers = pytest.importorskip("transformers")
+    import transformers
     config = transformers.GPT2Config(n_layer=GPT2_LAYERS, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
     return transformers.GPT2LMHeadModel(config).eval()  # eval: no dropout, so both models compute the same
 

@@ -1,0 +1,88 @@
+"""The contract every attention kernel file keeps (kernels/<family>/attention.py
+and attention_backward.py), and the sizes of its operands. Plain integer
+arithmetic (no JAX, no Triton), shared by every family.
+
+The op layer (ops/attention.py) reduces torch's
+`scaled_dot_product_attention` to one canonical call: batch dimensions
+broadcast and flattened, 3-D inputs given a head axis, a boolean mask turned
+additive. The kernels see only this:
+
+Forward: `run(q, k, v[, mask], *, scale, causal, config, **execution) -> (o, lse)`
+
+- q (B, Hq, L, E); k (B, Hkv, S, E); v (B, Hkv, S, Ev), one dtype: float32,
+  float16 or bfloat16. Hq is a multiple of Hkv (G = Hq // Hkv): query head h
+  reads key/value head h // G in place (GQA and MQA; Hq == Hkv is plain
+  multi-head attention). L, S >= 1 and E, Ev in 1..256, any of them ragged.
+- mask, optional: (Bm, Hm, L, S) with Bm in {1, B} and Hm in {1, Hq} (1: the
+  same for every batch / head, broadcast, never copied), float32 or q's
+  dtype; added to the scores: s = scale * q.kᵀ + mask. -inf masks out.
+- causal: key j is visible to query i only if j <= i (top-left aligned, as
+  torch aligns `is_causal` when L != S); applies on top of a mask if both
+  are given.
+- Scores, softmax statistics and both products accumulate in float32.
+- o (B, Hq, L, Ev) in q's dtype: softmax(s) @ v; a row with no visible key
+  (every score -inf) is 0, as torch gives.
+- lse (B, Hq, L) float32: the natural log of sum_j exp(s_ij); +inf for a row
+  with no visible key, so that exp(s - lse) is 0 on it everywhere.
+
+Backward: `run(q, k, v, o, do, lse[, mask], *, scale, causal, config, **execution)
+-> (dq, dk, dv)`
+
+- q, k, v, mask, scale, causal as in the forward; o and lse what it returned;
+  do (B, Hq, L, Ev) in q's dtype.
+- dq (B, Hq, L, E), dk (B, Hkv, S, E), dv (B, Hkv, S, Ev) in q's dtype; dk
+  and dv summed over the G query heads that share each key/value head.
+- FlashAttention-2's algorithm: delta = rowsum(do * o) (float32), then per
+  block p = exp(s - lse), dv += pᵀ do, dp = do vᵀ, ds = p * (dp - delta),
+  dq += scale * ds k, dk += scale * dsᵀ q, with no (L, S) tensor in memory
+  on the GPU kernels.
+
+`execution` is what the backend passes (kernels/spec.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionDims:
+    batch: int  # B
+    q_heads: int  # Hq
+    kv_heads: int  # Hkv
+    q_len: int  # L
+    kv_len: int  # S
+    head_dim: int  # E
+    value_dim: int  # Ev
+
+    @property
+    def group(self) -> int:
+        """Query heads per key/value head (G)."""
+        return self.q_heads // self.kv_heads
+
+
+def attention_dims(q_shape, k_shape, v_shape, mask_shape=None) -> AttentionDims:
+    """The sizes of a canonical attention call, after checking its shapes
+    keep the contract above (the op layer has already told the user, in
+    torch's terms, about anything wrong)."""
+    b, hq, l, e = q_shape
+    bk, hkv, s, ek = k_shape
+    bv, hv, sv, ev = v_shape
+    if (bk, ek) != (b, e) or (bv, hv, sv) != (bk, hkv, s) or hq % hkv:
+        raise ValueError(f"attention: q {tuple(q_shape)}, k {tuple(k_shape)}, v "
+                         f"{tuple(v_shape)} do not keep the canonical layout")
+    if mask_shape is not None:
+        bm, hm, lm, sm = mask_shape
+        if bm not in (1, b) or hm not in (1, hq) or (lm, sm) != (l, s):
+            raise ValueError(f"attention: mask {tuple(mask_shape)} is not (1 or {b}, "
+                             f"1 or {hq}, {l}, {s})")
+    return AttentionDims(b, hq, hkv, l, s, e, ev)
+
+
+def attention_flops(dims: AttentionDims, causal: bool) -> int:
+    """FLOPs of the forward's two products (4·B·Hq·L·S·E, with Ev for the
+    second), halved when causal (as FlashAttention counts them)."""
+    flops = 2 * dims.batch * dims.q_heads * dims.q_len * dims.kv_len * (dims.head_dim + dims.value_dim)
+    return flops // 2 if causal else flops

@@ -1,0 +1,117 @@
+"""Canonical attention calls (kernels/attention_shapes.py) on random inputs,
+their float64 reference, and the error a kernel may show: what the kernel
+tests of every family share.
+
+The reference is torch's own scaled_dot_product_attention in float64 (GQA
+through enable_gqa, the additive mask, causal as a -inf mask so that both may
+apply), differentiated by torch's autograd. A kernel's error may be at most
+twice torch's own error in the same dtype, plus a small absolute floor
+(after flash-attention's tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+# The absolute floor per dtype, for values of order 1.
+ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@dataclasses.dataclass
+class Case:
+    """One canonical call: q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev),
+    an optional additive mask (Bm, Hm, L, S), causal, scale."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool
+    scale: float
+
+    @property
+    def inputs(self) -> tuple:
+        return (self.q, self.k, self.v) + ((self.mask,) if self.mask is not None else ())
+
+
+def make_case(b=2, hq=4, hkv=2, l=37, s=45, e=32, ev=None, dtype=torch.float32, *,
+              causal=False, mask=None, scale=None, mask_dtype=None,
+              generator=None) -> Case:
+    """Random inputs. mask: None, "full" (B, Hq, L, S), "batch" (B, 1, L, S),
+    "heads" (1, Hq, L, S), "shared" (1, 1, L, S), each random with about a
+    quarter of the entries -inf (and, for "padding", whole key columns
+    masked per batch), or "empty_rows" (some query rows fully masked)."""
+    ev = e if ev is None else ev
+
+    def randn(*shape):
+        return torch.randn(shape, generator=generator).to(dtype)
+
+    q, k, v = randn(b, hq, l, e), randn(b, hkv, s, e), randn(b, hkv, s, ev)
+    additive = None
+    if mask is not None:
+        shape = {"full": (b, hq, l, s), "batch": (b, 1, l, s), "heads": (1, hq, l, s),
+                 "shared": (1, 1, l, s), "empty_rows": (b, 1, l, s)}[mask]
+        additive = torch.randn(shape, generator=generator)
+        hidden = torch.rand(shape, generator=generator) < 0.25
+        if mask == "empty_rows":
+            hidden[:, :, ::3, :] = True  # every third query row sees nothing
+        additive = additive.masked_fill(hidden, float("-inf")).to(mask_dtype or dtype)
+    scale = (1.0 / e**0.5) if scale is None else scale
+    return Case(q, k, v, additive, causal, scale)
+
+
+def reference_mask(case: Case, dtype=torch.float64) -> torch.Tensor | None:
+    """The case's mask and causal rule as one additive mask."""
+    l, s = case.q.shape[-2], case.k.shape[-2]
+    mask = None if case.mask is None else case.mask.to(dtype)
+    if case.causal:
+        hidden = ~torch.ones(l, s, dtype=torch.bool).tril()
+        causal = torch.zeros(l, s, dtype=dtype).masked_fill(hidden, float("-inf"))
+        mask = causal if mask is None else mask + causal
+    return mask
+
+
+def _sdpa(case: Case, q, k, v, dtype):
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=reference_mask(case, dtype), scale=case.scale,
+        enable_gqa=case.q.shape[1] != case.k.shape[1])
+
+
+def reference(case: Case, do: torch.Tensor | None = None):
+    """(o, lse) in float64, and with `do`, (dq, dk, dv) too."""
+    q, k, v = (t.detach().double().requires_grad_(do is not None)
+               for t in (case.q, case.k, case.v))
+    o = _sdpa(case, q, k, v, torch.float64)
+    group = case.q.shape[1] // case.k.shape[1]
+    scores = (q @ k.repeat_interleave(group, dim=1).mT) * case.scale
+    mask = reference_mask(case)
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1).detach()
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows with no visible key
+    o = torch.nan_to_num(o, nan=0.0)  # torch's math path: NaN rows where all is masked
+    if do is None:
+        return o.detach(), lse
+    grads = torch.autograd.grad(o, (q, k, v), do.double())
+    return o.detach(), lse, tuple(torch.nan_to_num(g, nan=0.0) for g in grads)
+
+
+def torch_error(case: Case, do: torch.Tensor | None = None):
+    """|torch's SDPA in the case's dtype - the float64 reference|: o's, and
+    with `do` also dq's, dk's, dv's (for bounds)."""
+    q, k, v = (t.detach().clone().requires_grad_(do is not None) for t in (case.q, case.k, case.v))
+    o = torch.nan_to_num(_sdpa(case, q, k, v, case.q.dtype), nan=0.0)
+    ref = reference(case, do)
+    errors = [(o.detach().double() - ref[0]).abs()]
+    if do is not None:
+        grads = torch.autograd.grad(o, (q, k, v), do)
+        errors += [(g.double() - r).abs() for g, r in zip(grads, ref[2])]
+    return ref, errors
+
+
+def bound(torch_err: torch.Tensor, dtype, magnitude=1.0) -> torch.Tensor:
+    """What a kernel's error may be: twice torch's own, plus the floor."""
+    return 2 * torch_err + ATOL[dtype] * magnitude

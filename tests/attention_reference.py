@@ -115,3 +115,36 @@ def torch_error(case: Case, do: torch.Tensor | None = None):
 def bound(torch_err: torch.Tensor, dtype, magnitude=1.0) -> torch.Tensor:
     """What a kernel's error may be: twice torch's own, plus the floor."""
     return 2 * torch_err + ATOL[dtype] * magnitude
+
+
+def run_kernel(kernel_module: str, backend_name: str, inputs, *, detect_races: bool = False,
+               **params):
+    """Runs one kernel file's KERNEL (e.g. "torch_pallas.kernels.tpu.attention")
+    as backend `backend_name` runs it, on torch CPU tensors; returns its
+    outputs as torch tensors (a tuple). With `detect_races` on a simulation
+    backend, a race raises RaceDetectedError."""
+    import functools
+
+    from torch_pallas import backends, bridge, dtypes, registry, simulators
+
+    backend = backends.get(backend_name)
+    spec = registry._load(kernel_module)
+    avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in inputs)
+    device = torch.device("cpu")
+    execution = backend.execution(device=device, takes_inputs=True, detect_races=detect_races)
+    if backend.family == "triton":
+        config = spec.config(backend.name, avals, params, None)
+        out = spec.run(*inputs, **params, config=config, **execution)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    import jax
+
+    config = spec.config(backend.name, avals, params, backends.jax_device(device))
+    kernel = jax.jit(functools.partial(spec.run, **params, config=config, **execution))
+    arrays = [bridge.to_kernel_argument(t.contiguous()) for t in inputs]
+    if backend.simulated:
+        out = simulators.run(backend, kernel, arrays, detect_races=detect_races,
+                             describe=lambda: f"{kernel_module} on {backend_name}")
+    else:
+        out = kernel(*arrays)
+    out = out if isinstance(out, (tuple, list)) else (out,)
+    return tuple(bridge.to_torch(a) for a in out)

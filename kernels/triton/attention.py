@@ -1,0 +1,285 @@
+"""Attention forward in Triton (FlashAttention-2): softmax(scale * q kᵀ + mask) v
+without the (L, S) score matrix in memory, and the row log-sum-exp the
+backward needs. The contract is kernels/attention_shapes.py.
+
+Program (query block, batch * query head) loads its BLOCK_M query rows once
+and walks the keys BLOCK_N at a time, keeping the online-softmax statistics
+in float32 (Dao, "FlashAttention-2: Faster Attention with Better Parallelism
+and Work Partitioning", 2023, Algorithm 1; Milakov & Gimelshein, "Online
+normalizer calculation for softmax", 2018):
+
+    s     = scale * q kⱼᵀ + mask             (log2 units: times log2 e, for exp2)
+    m'    = max(m, rowmax(s))
+    p     = exp2(s - m'),  α = exp2(m - m')
+    l     = α l + rowsum(p),  acc = α acc + p vⱼ,  m = m'
+
+and at the end o = acc / l, lse = (m + log2 l) ln 2. A row that sees no key
+keeps m = -inf and l = 0: it writes o = 0 and lse = +inf (the subtraction
+uses 0 in place of an infinite maximum, so no NaN appears).
+
+- causal (key j visible to query i iff j <= i): the walk stops after the
+  block holding the block's last diagonal entry; blocks above it are never
+  loaded.
+- mask (Bm, Hm, L, S): read through its strides, stride 0 along a broadcast
+  batch or head dimension, so a shared mask is never copied.
+- GQA: query head h reads key/value head h // G by pointer arithmetic.
+- Ragged L, S and head dimensions E, Ev (1..256): tiles are powers of two
+  (BLOCK_E = next power of two >= E, at least 16 for tl.dot) and every load
+  is masked.
+- Any layout: every operand's four strides are passed.
+
+Triton's CPU interpreter computes bfloat16 `tl.dot` wrongly and rounds
+float32 -> bfloat16 toward zero (kernels/triton/__init__.py). Under it,
+bfloat16 operands are upcast to float32 (exact), the probabilities are
+rounded to bfloat16 to nearest even by bit arithmetic (what the compiled
+kernel's conversion does before its bfloat16 product), and o is written in
+float32 and rounded by torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from torch_pallas.kernels.attention_shapes import MAX_HEAD_DIM, attention_dims
+from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.triton import direct, interpreter_safe_dtype, interpreting
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores are kept in log2 units, for exp2
+LN2 = tl.constexpr(0.6931471805599453)
+
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """Tuning knobs of the forward kernel."""
+
+    autotune: bool  # True: pick among AUTOTUNE_CONFIGS per (E, Ev, L, S, causal)
+    block_m: int = 32  # query rows per program, when not autotuning
+    block_n: int = 32  # keys per step, when not autotuning
+    num_warps: int = 4
+    num_stages: int = 2
+    # tl.dot's precision for float32 operands: "ieee" (full float32, as
+    # torch's reference) or "tf32" (faster on the hardware, ~1e-3 relative).
+    precision: str = "ieee"
+
+    @classmethod
+    def default(cls, backend: str) -> "AttentionConfig":
+        # The CPU interpreter would spend minutes timing configs; 32-row
+        # blocks keep its per-program work small and still walk several
+        # key blocks on the tests' ragged shapes.
+        return cls(autotune=not interpreting())
+
+
+def _autotune_configs():
+    configs = []
+    for block_m, block_n, warps, stages in (
+        (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+        (64, 32, 4, 4), (64, 128, 4, 2), (32, 32, 4, 2),
+        (16, 32, 2, 2),  # decode-like L, and the last resort for 256-wide float32 heads
+        (16, 16, 2, 1),
+    ):
+        configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n},
+                                     num_warps=warps, num_stages=stages))
+    return configs
+
+
+# Configs that do not fit in a GPU's shared memory are skipped by the
+# autotuner; the small ones fit every head dimension up to 256 in float32.
+AUTOTUNE_CONFIGS = _autotune_configs()
+# Tuned per head-dimension tile, sequence-length bucket (a power of two, so
+# that each new length does not retune) and causal.
+AUTOTUNE_KEY = ["BLOCK_E", "BLOCK_EV", "L_BUCKET", "S_BUCKET", "CAUSAL", "HAS_MASK"]
+
+
+@triton.jit
+def round_to_bfloat16(x):
+    """float32 x rounded to the nearest bfloat16 (ties to even), kept in
+    float32: the interpreter's own conversion truncates. Finite x only."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def attention_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qe,
+    stride_kb, stride_kh, stride_ks, stride_ke,
+    stride_vb, stride_vh, stride_vs, stride_ve,
+    stride_mb, stride_mh, stride_ml, stride_ms,
+    stride_ob, stride_oh, stride_ol, stride_oe,
+    stride_lb, stride_lh, stride_ll,
+    Hq, L, S, E, Ev, GROUP, scale, L_BUCKET, S_BUCKET,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    # 64-bit base offsets: batch * stride may pass 2**31 elements.
+    b = (bh // Hq).to(tl.int64)
+    h = (bh % Hq).to(tl.int64)
+    hkv = h // GROUP
+    m0 = pid_m * BLOCK_M
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    row_ok = offs_m < L
+
+    q_ptrs = (q_ptr + b * stride_qb + h * stride_qh
+              + offs_m[:, None] * stride_ql + offs_e[None, :] * stride_qe)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_e[None, :] < E), other=0.0)
+    # kᵀ tile (BLOCK_E, BLOCK_N) and v tile (BLOCK_N, BLOCK_EV), advanced by
+    # BLOCK_N keys per step.
+    kt_ptrs = (k_ptr + b * stride_kb + hkv * stride_kh
+               + offs_n[None, :] * stride_ks + offs_e[:, None] * stride_ke)
+    v_ptrs = (v_ptr + b * stride_vb + hkv * stride_vh
+              + offs_n[:, None] * stride_vs + offs_ev[None, :] * stride_ve)
+    if HAS_MASK:
+        mask_ptrs = (mask_ptr + b * stride_mb + h * stride_mh
+                     + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms)
+    if UPCAST:
+        q = q.to(tl.float32)
+    qk_scale = scale * LOG2E
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_EV), dtype=tl.float32)
+
+    hi = S
+    if CAUSAL:  # keys past the block's last row are hidden from all its rows
+        hi = tl.minimum(S, m0 + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        key_ok = (start_n + offs_n) < S
+        kt = tl.load(kt_ptrs, mask=(offs_e[:, None] < E) & key_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_ev[None, :] < Ev), other=0.0)
+        if UPCAST:
+            kt, v = kt.to(tl.float32), v.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
+        if HAS_MASK:
+            add = tl.load(mask_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0.0)
+            s += add.to(tl.float32) * LOG2E
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & ((start_n + offs_n)[None, :] <= offs_m[:, None])
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet has m_new = -inf: subtract 0 instead,
+        # so its p and alpha are exp2(-inf) = 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if UPCAST:
+            acc = tl.dot(round_to_bfloat16(p), v, acc, input_precision=INPUT_PRECISION)
+        else:
+            acc = tl.dot(p.to(v_ptr.dtype.element_ty), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+        kt_ptrs += BLOCK_N * stride_ks
+        v_ptrs += BLOCK_N * stride_vs
+        if HAS_MASK:
+            mask_ptrs += BLOCK_N * stride_ms
+
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]  # acc is 0 on unseen rows
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2,
+                   float("inf"))
+    o_ptrs = (o_ptr + b * stride_ob + h * stride_oh
+              + offs_m[:, None] * stride_ol + offs_ev[None, :] * stride_oe)
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_ev[None, :] < Ev))
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ll, lse, mask=row_ok)
+
+
+attention_kernel_autotuned = triton.autotune(configs=AUTOTUNE_CONFIGS, key=AUTOTUNE_KEY)(
+    attention_kernel)
+
+
+def head_block(dim: int) -> int:
+    """The tile of a head dimension: a power of two, at least 16 (tl.dot)."""
+    return max(16, triton.next_power_of_2(dim))
+
+
+def length_bucket(n: int) -> int:
+    """The autotuning bucket of a sequence length."""
+    return triton.next_power_of_2(n)
+
+
+def broadcast_stride(t, dim: int) -> int:
+    """t's stride along `dim`, 0 where that dimension is broadcast (size 1)."""
+    return t.stride(dim) if t.shape[dim] > 1 else 0
+
+
+def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: AttentionConfig,
+              wrap=direct):
+    """(o, lse) of the canonical attention call (kernels/attention_shapes.py)
+    for torch tensors in any layout: o (B, Hq, L, Ev) in q's dtype, lse
+    (B, Hq, L) float32."""
+    dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
+    if not (q.dtype == k.dtype == v.dtype) or str(q.dtype).removeprefix("torch.") not in SUPPORTED_DTYPES:
+        raise ValueError(f"attention (triton): q, k, v must share one dtype of {SUPPORTED_DTYPES}, "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    if max(dims.head_dim, dims.value_dim) > MAX_HEAD_DIM:
+        raise ValueError(f"attention (triton): head dims E={dims.head_dim}, Ev={dims.value_dim} "
+                         f"exceed {MAX_HEAD_DIM}")
+    if mask is not None and mask.dtype not in (torch.float32, q.dtype):
+        raise ValueError(f"attention (triton): mask dtype {mask.dtype} is neither float32 nor "
+                         f"q's {q.dtype}")
+    b, hq, l, s = dims.batch, dims.q_heads, dims.q_len, dims.kv_len
+    o = torch.empty((b, hq, l, dims.value_dim), dtype=interpreter_safe_dtype(q.dtype),
+                    device=q.device)
+    lse = torch.empty((b, hq, l), dtype=torch.float32, device=q.device)
+    if mask is None:
+        mask_arg, mask_strides = q, (0, 0, 0, 0)  # never read (HAS_MASK=False)
+    else:
+        mask_arg = mask
+        mask_strides = (broadcast_stride(mask, 0), broadcast_stride(mask, 1),
+                        mask.stride(2), mask.stride(3))
+    args = (
+        q, k, v, mask_arg, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *o.stride(), *lse.stride(),
+        hq, l, s, dims.head_dim, dims.value_dim, dims.group, float(scale),
+        length_bucket(l), length_bucket(s),
+    )
+    meta = dict(
+        HAS_MASK=mask is not None, CAUSAL=bool(causal),
+        BLOCK_E=head_block(dims.head_dim), BLOCK_EV=head_block(dims.value_dim),
+        # Upcasting bfloat16 operands to float32 is exact (interpreter_safe_dtype).
+        UPCAST=interpreter_safe_dtype(q.dtype) != q.dtype,
+        INPUT_PRECISION=config.precision,
+    )
+
+    def grid(meta):
+        return (triton.cdiv(l, meta["BLOCK_M"]), b * hq)
+
+    if config.autotune:
+        wrap(attention_kernel_autotuned)[grid](*args, **meta)
+    else:
+        wrap(attention_kernel)[grid](*args, **meta, BLOCK_M=config.block_m,
+                                     BLOCK_N=config.block_n, num_warps=config.num_warps,
+                                     num_stages=config.num_stages)
+    return (o if o.dtype == q.dtype else o.to(q.dtype)), lse
+
+
+def unsupported(backend: str, avals, params) -> str | None:
+    dtypes = {dtype for _, dtype in avals[:3]}
+    if not dtypes <= set(SUPPORTED_DTYPES):
+        return (f"backend '{backend}' has no attention kernel for {sorted(dtypes)} "
+                f"(it computes {', '.join(SUPPORTED_DTYPES)})")
+    head_dims = (avals[0][0][-1], avals[2][0][-1])
+    if max(head_dims) > MAX_HEAD_DIM:
+        return (f"backend '{backend}' computes attention for head dims up to {MAX_HEAD_DIM}, "
+                f"not E={head_dims[0]}, Ev={head_dims[1]}")
+    return None
+
+
+KERNEL = KernelSpec(run=attention, default_config=AttentionConfig.default, unsupported=unsupported)

@@ -1,0 +1,175 @@
+"""The Triton attention kernels (kernels/triton/attention.py and
+attention_backward.py) against the float64 reference of
+tests/attention_reference.py, in Triton's CPU interpreter where there is no
+GPU (conftest.py): ragged lengths, decode, L > S causal, S = 1, GQA and
+MQA, every mask kind, odd head dimensions, every dtype; and their launches
+as torch.compile records them (torch.library.wrap_triton)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from attention_reference import Case, bound, make_case, reference, run_kernel, torch_error
+from helpers import assert_within
+from torch_pallas.kernels.triton import attention as forward_kernel
+
+FORWARD = "torch_pallas.kernels.triton.attention"
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# (id, make_case keywords): each a ragged canonical call.
+CASES = [
+    ("ragged", dict(l=37, s=45, e=32)),
+    ("causal", dict(l=37, s=45, e=32, causal=True, dtype=F16)),
+    ("decode", dict(l=1, s=45, e=64, dtype=BF16)),
+    ("causal-L>S", dict(l=50, s=20, e=32, causal=True, dtype=BF16)),
+    ("S=1", dict(l=37, s=1, e=32, dtype=F16)),
+    ("S=1-mask", dict(l=9, s=1, e=32, mask="full")),  # rows with no key at all
+    ("mqa-heads-mask", dict(hkv=1, mask="heads", dtype=F16)),
+    ("full-mask-f32-mask", dict(mask="full", mask_dtype=F32, dtype=BF16)),
+    ("batch-mask", dict(hq=2, hkv=2, mask="batch", causal=True)),
+    ("shared-mask-causal", dict(mask="shared", causal=True, dtype=F16, mask_dtype=F32)),
+    ("empty-rows", dict(mask="empty_rows", dtype=BF16)),
+    ("empty-rows-f32", dict(mask="empty_rows", l=20, s=30, causal=True)),
+    ("E40-Ev24", dict(e=40, ev=24, causal=True)),
+    ("E24-Ev40-bf16", dict(e=24, ev=40, dtype=BF16, mask="batch")),
+    ("E128", dict(b=1, hq=2, hkv=1, l=20, s=33, e=128, dtype=BF16)),
+    ("E128-f32", dict(b=1, hq=2, hkv=2, l=20, s=33, e=128, causal=True)),
+]
+
+
+def lse_bound(ref_lse: torch.Tensor) -> torch.Tensor:
+    """Scores and their log-sum-exp are float32 sums in every dtype."""
+    return 1e-4 + 1e-5 * ref_lse.abs()
+
+
+def check_forward(case, o, lse):
+    ref, errors = torch_error(case)
+    what = f"attention (triton) {case.q.dtype}"
+    assert o.dtype == case.q.dtype and lse.dtype == torch.float32
+    assert_within(o, ref[0], bound(errors[0], case.q.dtype), f"{what}: o")
+    ref_lse = ref[1]
+    hidden = torch.isinf(ref_lse)
+    assert torch.equal(lse == float("inf"), hidden), f"{what}: lse is +inf exactly where no key is visible"
+    assert_within(lse[~hidden], ref_lse[~hidden], lse_bound(ref_lse[~hidden]), f"{what}: lse")
+
+
+@pytest.mark.parametrize("kwargs", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_forward_matches_float64(kwargs):
+    case = make_case(**kwargs)
+    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=case.causal)
+    check_forward(case, o, lse)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [F32, F16])
+def test_forward_head_dim_256(dtype):
+    case = make_case(b=1, hq=2, hkv=1, l=17, s=40, e=256, ev=200, dtype=dtype, mask="shared")
+    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=case.causal)
+    check_forward(case, o, lse)
+
+
+SMALL_BLOCKS = forward_kernel.AttentionConfig(autotune=False, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_walks_many_key_blocks(causal):
+    """Seven key blocks per row block: the online softmax rescales its
+    running sums many times; causal rows stop at the diagonal."""
+    case = make_case(b=1, hq=2, hkv=1, l=100, s=100, e=32, causal=causal, mask="full",
+                     dtype=F16, mask_dtype=F32)
+    o, lse = forward_kernel.attention(*case.inputs, scale=case.scale, causal=causal,
+                                      config=SMALL_BLOCKS)
+    check_forward(case, o, lse)
+
+
+def test_forward_reads_any_layout_in_place():
+    """q, k, v in the (B, L, H, E) layout transformers uses, a mask expanded
+    from one (L, S) matrix (stride 0) and a scale that is not 1/sqrt(E)."""
+    b, hq, hkv, l, s, e = 2, 4, 2, 21, 30, 40
+    q = torch.randn(b, l, hq, e).transpose(1, 2)
+    k = torch.randn(b, s, hkv, e).transpose(1, 2)
+    v = torch.randn(b, s, hkv, e + 8)[..., :e].transpose(1, 2)  # a slice: padded rows
+    mask = torch.randn(l, s).masked_fill(torch.rand(l, s) < 0.3, float("-inf"))
+    mask = mask.expand(b, hq, l, s)
+    case = Case(q, k, v, mask, causal=True, scale=0.37)
+    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=True)
+    check_forward(case, o, lse)
+
+
+def test_forward_float32_mask_on_16_bit_q_is_read_as_float32():
+    """A float32 mask keeps values a 16-bit one would round away."""
+    case = make_case(l=8, s=24, dtype=BF16, mask="shared", mask_dtype=F32)
+    case.mask = case.mask + 1e-3 * torch.randn(case.mask.shape)  # not representable in bfloat16
+    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=False)
+    check_forward(case, o, lse)
+
+
+def test_wrap_triton_runs_the_same_kernels():
+    """Each kernel object is one torch.library.wrap_triton accepts: launched
+    through torch's wrapper (eagerly, as outside a trace) they give the
+    launcher's results bit for bit."""
+    case = make_case(l=20, s=27, e=40, ev=24, mask="heads", causal=True, dtype=F16)
+    config = forward_kernel.AttentionConfig.default("triton")
+    direct = forward_kernel.attention(*case.inputs, scale=case.scale, causal=True, config=config)
+    wrapped = forward_kernel.attention(*case.inputs, scale=case.scale, causal=True, config=config,
+                                       wrap=torch.library.wrap_triton)
+    for a, b in zip(direct, wrapped):
+        assert torch.equal(a, b)
+
+
+# Traces the launchers on fake CUDA tensors (no GPU needed; Triton compiled,
+# not interpreted): every launch must be recorded as a Triton kernel, for the
+# fixed config and the autotuned one.
+TRACE = textwrap.dedent(
+    """
+    import torch
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch_pallas.kernels.triton import attention as fwd
+
+    def name(kernel):
+        while not hasattr(kernel, "__name__"):
+            kernel = kernel.fn
+        return kernel.__name__
+
+    for autotune in (False, True):
+        def f(q, k, v, mask):
+            return fwd.attention(q, k, v, mask, scale=0.3, causal=True,
+                                 config=fwd.AttentionConfig(autotune=autotune),
+                                 wrap=torch.library.wrap_triton)
+        with FakeTensorMode():
+            q = torch.randn(2, 4, 37, 40, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(2, 2, 45, 40, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn(2, 2, 45, 24, device="cuda", dtype=torch.bfloat16)
+            mask = torch.randn(1, 4, 37, 45, device="cuda")
+            gm = make_fx(torch.func.functionalize(f))(q, k, v, mask)
+        print("GRAPH", autotune, gm.code.count("triton_kernel_wrapper_functional("),
+              "aten.empty" in gm.code,
+              sum(n.op == "call_function" and "empty" not in str(n.target)
+                  and "getitem" not in str(n.target) and "copy_" not in str(n.target)
+                  and "triton_kernel" not in str(n.target) for n in gm.graph.nodes))
+    # (A trace may record one kernel more than once.)
+    print("KERNELS", *sorted({f"{name(k)}:{type(k).__name__}" for k in
+                              map(kernel_side_table.get_kernel,
+                                  range(len(kernel_side_table.id_to_kernel)))}))
+    """
+)
+
+
+def test_launches_trace_into_triton_kernels_on_cuda_tensors():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", TRACE], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    graphs = [line.split()[1:] for line in out.splitlines() if line.startswith("GRAPH")]
+    # One kernel per launch, nothing but allocations beside it.
+    assert graphs == [["False", "1", "True", "0"], ["True", "1", "True", "0"]], out
+    kernels = next(line.split()[1:] for line in out.splitlines() if line.startswith("KERNELS"))
+    assert kernels == ["attention_kernel:Autotuner", "attention_kernel:JITFunction"], out

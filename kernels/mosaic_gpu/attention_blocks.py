@@ -1,0 +1,143 @@
+"""What the Hopper attention kernels (attention.py, attention_backward.py)
+share: the operands padded to whole blocks, the way each operand is staged
+for `wgmma` on the hardware and in the simulator, the visibility of scores
+(causal rule, padded keys), and the shared memory a configuration needs.
+
+Staging (`Target`). On the hardware wgmma reads 16-bit operands either way,
+so a transposed operand (Kᵀ in Q Kᵀ, Vᵀ in dO Vᵀ, Pᵀ and dSᵀ in the
+backward) is the SMEM tile as it lies, seen through `plgpu.transpose_ref`,
+and register arrays get their `wgmma` layouts by `plgpu.layout_cast`. The
+simulator (jax 0.10) runs neither: there XLA transposes K, V (and Q, dO for
+the backward) once outside the kernel, so every SMEM tile is read as it is
+stored, transposed scores are stored transposed (`stage_transposed`), and
+layouts (which never change values) are left to it. Everything else, the
+algorithm, the pipeline and every copy, is the same code on both.
+
+Padding. The simulator raises on a block past an array's edge where the
+hardware's TMA zero-fills, so L, S are zero-padded to whole blocks and E, Ev
+to a multiple of 64 (one 128-byte swizzle row of a 16-bit tile, what wgmma
+and the swizzle need) outside the kernels; padded keys are made invisible
+inside them (`visible`), padded query rows and head columns are cut off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from torch_pallas.kernels.attention_shapes import MAX_HEAD_DIM
+from torch_pallas.kernels.mosaic_gpu.tiles import HOPPER_SMEM_BYTES, smem_transforms
+from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels.shapes import round_up
+
+LOG2E = math.log2(math.e)  # scores are kept in base 2: exp2 is the fast exponential
+HEAD_DIM_MULTIPLE = 64  # 16-bit elements in one 128-byte swizzle row
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+# What Mosaic GPU reserves of a block's shared memory beside the kernel's own
+# buffers (barriers, alignment); the budget checks keep this margin.
+SMEM_SLACK_BYTES = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a kernel runs: the hardware (`interpret` None) or the simulator."""
+
+    hardware: bool
+
+    @classmethod
+    def of(cls, interpret) -> "Target":
+        return cls(hardware=interpret is None)
+
+    def layout(self, x, layout):
+        """`x` with the register layout `layout` on the hardware."""
+        return plgpu.layout_cast(x, layout) if self.hardware else x
+
+    def rows(self, x):
+        """A per-row vector (one value per query row of a wgmma tile)."""
+        return self.layout(x, plgpu.Layout.WGMMA.reduce(1))
+
+    def tile(self, x):
+        return self.layout(x, plgpu.Layout.WGMMA)
+
+    def load_rows(self, ref):
+        """A (rows,) SMEM vector, in the layout of a wgmma tile's rows."""
+        if self.hardware:
+            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+        return ref[...]
+
+    def transposed(self, ref):
+        """The transposed operand of a tile staged as (n, k) on the hardware
+        (read in place), or already as (k, n) by XLA in the simulator."""
+        return plgpu.transpose_ref(ref, (1, 0)) if self.hardware else ref
+
+    def transposed_shape(self, rows: int, cols: int) -> tuple[int, int]:
+        """The SMEM shape of a (rows, cols) tile handed to wgmma transposed."""
+        return (rows, cols) if self.hardware else (cols, rows)
+
+    def stage_transposed(self, x, smem):
+        """wgmma's A operand xᵀ, for a register tile x: x stored as it is and
+        read transposed on the hardware, stored transposed in the simulator
+        (`smem` has `transposed_shape(*x.shape)`)."""
+        if self.hardware:
+            smem[...] = x.astype(smem.dtype)
+            plgpu.commit_smem()
+            return plgpu.transpose_ref(smem, (1, 0))
+        smem[...] = x.T.astype(smem.dtype)
+        plgpu.commit_smem()
+        return smem
+
+
+def padded_head_dim(e: int) -> int:
+    if not 1 <= e <= MAX_HEAD_DIM:
+        raise ValueError(f"attention: head dimension {e} is not in 1..{MAX_HEAD_DIM}")
+    return round_up(e, HEAD_DIM_MULTIPLE)
+
+
+def pad_rows(x, rows: int, cols: int | None = None, value: float = 0.0):
+    """x (B, H, n[, c]) padded at the end of its last two axes (or its last,
+    for 3-D x) to `rows` [and `cols`], with `value`."""
+    shape = tuple(x.shape[:2]) + ((rows,) if cols is None else (rows, cols))
+    if value == 0.0:
+        return pad_to(x, shape)
+    return jnp.pad(x, [(0, s - d) for d, s in zip(x.shape, shape)], constant_values=value)
+
+
+def tile_transforms(dtype):
+    """The SMEM layout of a tile wgmma reads or a wgmma-layout tile is stored
+    to (128-byte swizzle)."""
+    return smem_transforms(dtype)
+
+
+def visible(s, target: Target, *, row0, col0, kv_len: int, causal: bool, ragged: bool):
+    """Scores s (rows, cols) of queries row0.. and keys col0.., -inf where a
+    key is hidden: padding past kv_len (when `ragged`), or after the query
+    (when `causal`)."""
+    if not (causal or ragged):
+        return s
+    col = target.tile(jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)) + col0
+    shown = None
+    if ragged:
+        shown = col < kv_len
+    if causal:
+        row = target.tile(jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)) + row0
+        shown = (col <= row) if shown is None else (shown & (col <= row))
+    return jnp.where(shown, s, -jnp.inf)
+
+
+def mask_view(mask_gmem, b, h):
+    """The (Lp, Sp) additive mask seen by (batch b, query head h): a size-1
+    batch or head axis is read at index 0 (broadcast, never copied)."""
+    bm, hm = mask_gmem.shape[:2]
+    return mask_gmem.at[b if bm > 1 else 0, h if hm > 1 else 0]
+
+
+def fits_smem(nbytes: int) -> bool:
+    return nbytes + SMEM_SLACK_BYTES <= HOPPER_SMEM_BYTES
+
+
+def itemsize(dtype) -> int:
+    return jnp.dtype(dtype).itemsize

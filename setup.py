@@ -14,6 +14,7 @@ setup(
     # ever lands on a user's path.
     packages=[
         "torch_pallas",
+        "torch_pallas.nn",
         "torch_pallas.ops",
         "torch_pallas.kernels",
         # one subpackage per kernel family: mosaic_gpu, tpu, triton

@@ -31,17 +31,26 @@ NAMESPACE = "pallas"
 @dataclasses.dataclass(frozen=True)
 class Example:
     """One call of an op on small random inputs, with its float64 reference
-    (`expected`) and the elementwise error it may show (`bound`)."""
+    (`expected`) and the elementwise error it may show (`bound`); for an op
+    with several outputs, a tuple of each."""
 
     args: tuple
     kwargs: Mapping[str, Any]
-    expected: torch.Tensor
-    bound: torch.Tensor | float
+    expected: torch.Tensor | tuple[torch.Tensor, ...]
+    bound: torch.Tensor | float | tuple
 
-    def error(self, out: torch.Tensor) -> tuple[float, bool]:
+    def error(self, out) -> tuple[float, bool]:
         """(max |out - expected|, whether every element is within the bound)."""
-        err = (out.cpu().double() - self.expected.double()).abs()
-        return (err.max().item() if err.numel() else 0.0), bool((err <= self.bound).all())
+        several = isinstance(self.expected, tuple)
+        outs = out if several else (out,)
+        expected = self.expected if several else (self.expected,)
+        bounds = self.bound if several else (self.bound,)
+        worst, within = 0.0, len(outs) == len(expected)
+        for o, ref, bound in zip(outs, expected, bounds):
+            err = (o.cpu().double() - ref.double()).abs()
+            worst = max(worst, err.max().item() if err.numel() else 0.0)
+            within &= bool((err <= bound).all())
+        return worst, within
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import warnings
 import torch
 from torch.nn.utils import parametrize
 
-from torch_pallas import functional
+from torch_pallas.functional import linear as _linear
 
 
 class Linear(torch.nn.Linear):
@@ -25,7 +25,7 @@ class Linear(torch.nn.Linear):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return functional.linear(input, self.weight, self.bias)
+        return _linear(input, self.weight, self.bias)
 
 
 # transformers' Conv1D class -> its torch_pallas subclass, built on first use
@@ -50,7 +50,7 @@ def _pallas_conv1d(base: type) -> type:
                 # linear takes W as (out, in) and transposes it; handing it
                 # W.t() makes the op read W itself. linear also casts the bias
                 # under autocast as addmm does.
-                return functional.linear(input, self.weight.t(), self.bias)
+                return _linear(input, self.weight.t(), self.bias)
 
         Conv1D.__qualname__ = "Conv1D"  # pickled by reference: torch_pallas.nn.Conv1D
         _PALLAS_CONV1D[base] = Conv1D

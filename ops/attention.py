@@ -1,0 +1,438 @@
+"""torch.ops.pallas.attention: `torch.nn.functional.scaled_dot_product_attention`
+on FlashAttention-style Pallas kernels (and their Triton twins).
+
+Three ops:
+- `pallas::attention(query, key, value, attn_mask=None, dropout_p=0.0,
+  is_causal=False, scale=None, enable_gqa=False)`, SDPA's signature and
+  semantics. It checks its arguments and reduces the call to the canonical
+  form of kernels/attention_shapes.py (batch dimensions broadcast and
+  flattened, a head axis for 3-D inputs, a boolean mask made additive), then
+  calls the forward op; CompositeImplicitAutograd, so autograd, autocast and
+  torch.compile see the two ops below.
+- `pallas::attention_forward(q, k, v, mask, scale, is_causal) -> (out, lse)`
+  on canonical tensors: the forward kernel, saving the row log-sum-exp.
+- `pallas::attention_backward(q, k, v, out, grad_out, lse, mask, scale,
+  is_causal) -> (dq, dk, dv)`: FlashAttention-2's backward kernels, which
+  recompute the probabilities block by block from lse.
+
+Keys and values with fewer heads than the query (GQA, MQA: `enable_gqa`, or
+one head broadcast) are read in place, never repeated. A batch dimension
+broadcast between query and key/value, or a mask broadcast along its last
+two dimensions, is materialised once; a mask broadcast along batch or heads
+is not.
+
+Where torch allows both `attn_mask` and `is_causal` (its CPU kernels), both
+apply. A row that sees no key gives 0, and gradients 0, as torch gives.
+`dropout_p > 0` raises: the kernels have no dropout. A float mask's own
+gradient (rare: a learned bias) is computed from the saved statistics with
+torch ops, at the cost of one (L, S) tensor per head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from torch_pallas import dtypes, launch, registration, registry
+from torch_pallas.kernels.attention_shapes import MAX_HEAD_DIM, AttentionDims, attention_flops
+from torch_pallas.ops import checks
+
+OP = "pallas::attention"
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --- the canonical call ----------------------------------------------------
+
+def _heads(t: torch.Tensor) -> int:
+    return t.shape[-3] if t.dim() >= 3 else 1
+
+
+def _check(query, key, value, attn_mask, dropout_p, enable_gqa):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        checks.tensor(OP, name, t)
+        if t.dim() < 2:
+            raise checks.RefusedLikeTorch(
+                f"{OP}: {name} must have at least 2 dimensions (..., length, head_dim), "
+                f"got {name}.shape={tuple(t.shape)}")
+    checks.dtype_in(OP, "query", query.dtype, DTYPES)
+    checks.same_dtype(OP, query, key, names=("query", "key"))
+    checks.same_dtype(OP, query, value, names=("query", "value"))
+    checks.same_device(OP, query, key, names=("query", "key"))
+    checks.same_device(OP, query, value, names=("query", "value"))
+    if key.shape[-1] != query.shape[-1]:
+        raise checks.RefusedLikeTorch(
+            f"{OP}: query and key must have the same head dimension, got "
+            f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}")
+    if key.shape[-2] != value.shape[-2]:
+        raise checks.RefusedLikeTorch(
+            f"{OP}: key and value must have the same length, got "
+            f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}")
+    for name, size in (("query", query.shape[-1]), ("value", value.shape[-1])):
+        if not 1 <= size <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"{OP}: head dimension {name}.shape[-1]={size} is not supported; the "
+                f"kernels take 1 to {MAX_HEAD_DIM}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{OP}: dropout_p must be a float in [0, 1], got {dropout_p!r}")
+    if dropout_p > 0.0:
+        raise NotImplementedError(
+            f"{OP}: dropout_p={dropout_p} is not supported (the kernels have no dropout); "
+            "pass dropout_p=0.0, or use torch.nn.functional.scaled_dot_product_attention")
+    if enable_gqa:
+        hq, hk, hv = _heads(query), _heads(key), _heads(value)
+        if hk != hv or hq % hk:
+            raise checks.RefusedLikeTorch(
+                f"{OP}: with enable_gqa the query's heads must be a multiple of the key's "
+                f"and value's, which must be equal; got query.shape={tuple(query.shape)}, "
+                f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}")
+    if attn_mask is not None:
+        checks.tensor(OP, "attn_mask", attn_mask)
+        if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+            raise TypeError(
+                f"{OP}: attn_mask has dtype {attn_mask.dtype}; it must be torch.bool, "
+                f"torch.float32 or the query's dtype ({query.dtype}), as torch requires")
+        checks.same_device(OP, query, attn_mask, names=("query", "attn_mask"))
+
+
+def _batch(query, key, value, enable_gqa):
+    """(outer batch shape, query heads, key/value heads): the dimensions
+    before the head axis broadcast; heads broadcast too unless GQA."""
+    shapes = [t.shape[:-3] for t in (query, key, value)]
+    try:
+        outer = torch.broadcast_shapes(*shapes)
+        hq, hk, hv = _heads(query), _heads(key), _heads(value)
+        if enable_gqa:
+            return outer, hq, hk
+        heads = torch.broadcast_shapes((hq,), (hk,), (hv,))[0]
+    except RuntimeError:
+        raise checks.RefusedLikeTorch(
+            f"{OP}: the batch dimensions of query.shape={tuple(query.shape)}, "
+            f"key.shape={tuple(key.shape)} and value.shape={tuple(value.shape)} do not "
+            "broadcast") from None
+    # One key/value head shared by every query head is read in place (MQA).
+    kv_heads = 1 if hk == hv == 1 and hq == heads else heads
+    return outer, heads, kv_heads
+
+
+def _canonical(t: torch.Tensor, outer, heads: int) -> torch.Tensor:
+    """`t` as (B, heads, length, dim): a broadcast materialised, nothing
+    copied otherwise."""
+    t = t.reshape((1,) * (len(outer) + 3 - t.dim()) + tuple(t.shape))
+    return t.expand(*outer, heads, *t.shape[-2:]).reshape(math.prod(outer), heads, *t.shape[-2:])
+
+
+def _canonical_mask(mask: torch.Tensor, dtype, outer, heads: int, length: int,
+                    kv_length: int) -> torch.Tensor:
+    """The mask as an additive (Bm, Hm, L, S), Bm in {1, B}, Hm in {1, heads}."""
+    scores = (*outer, heads, length, kv_length)
+    try:
+        fits = torch.broadcast_shapes(mask.shape, scores) == torch.Size(scores)
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise checks.RefusedLikeTorch(
+            f"{OP}: attn_mask.shape={tuple(mask.shape)} does not broadcast to the "
+            f"attention scores' shape {scores} (batch..., heads, L, S)")
+    if mask.dtype == torch.bool:  # True: take part in attention
+        mask = torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+    mask = mask.reshape((1,) * (len(scores) - mask.dim()) + tuple(mask.shape))
+    batched = any(size != 1 for size in mask.shape[:len(outer)])
+    mask_outer = tuple(outer) if batched else (1,) * len(outer)
+    mask_heads = mask.shape[len(outer)]
+    mask = mask.expand(*mask_outer, mask_heads, length, kv_length)
+    return mask.reshape(math.prod(mask_outer), mask_heads, length, kv_length)
+
+
+def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
+                             is_causal=False, scale=None, enable_gqa=False):
+    _check(query, key, value, attn_mask, dropout_p, enable_gqa)
+    outer, heads, kv_heads = _batch(query, key, value, enable_gqa)
+    length, kv_length, value_dim = query.shape[-2], key.shape[-2], value.shape[-1]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    q = _canonical(query, outer, heads)
+    k = _canonical(key, outer, kv_heads)
+    v = _canonical(value, outer, kv_heads)
+    mask = None
+    if attn_mask is not None:
+        mask = _canonical_mask(attn_mask, query.dtype, outer, heads, length, kv_length)
+    out, _ = torch.ops.pallas.attention_forward(q, k, v, mask, scale, bool(is_causal))
+    has_heads = max(query.dim(), key.dim(), value.dim()) >= 3
+    return out.reshape(*outer, *((heads,) if has_heads else ()), length, value_dim)
+
+
+# --- the forward op --------------------------------------------------------
+
+def _params(scale: float, is_causal: bool) -> dict:
+    return {"scale": float(scale), "causal": bool(is_causal)}
+
+
+def _dims(q, k, v) -> AttentionDims:
+    return AttentionDims(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2],
+                         q.shape[3], v.shape[3])
+
+
+def _forward_fake(q, k, v, mask, scale, is_causal):
+    b, hq, l, _ = q.shape
+    return q.new_empty((b, hq, l, v.shape[-1])), q.new_empty((b, hq, l), dtype=torch.float32)
+
+
+def forward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None, scale: float,
+                           is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _forward_fake(q, k, v, mask, scale, is_causal)
+    if out.numel() == 0:
+        return out, lse.fill_(float("inf"))
+    if k.shape[2] == 0:  # no keys: every row sees nothing
+        return out.zero_(), lse.fill_(float("inf"))
+    inputs = (q, k, v) if mask is None else (q, k, v, mask)
+    return launch.run("attention", q.device, inputs, _params(scale, is_causal))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, is_causal = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, k, v, mask, out, lse)
+    ctx.params = (scale, is_causal)
+
+
+def _backward(ctx, grad_out, _grad_lse):
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    scale, is_causal = ctx.params
+    dq = dk = dv = dmask = None
+    if any(ctx.needs_input_grad[:3]):
+        dq, dk, dv = torch.ops.pallas.attention_backward(
+            q, k, v, out, grad_out, lse, mask, scale, is_causal)
+    if ctx.needs_input_grad[3]:
+        dmask = _mask_gradient(q, k, v, mask, out, grad_out, lse, scale, is_causal)
+    return dq, dk, dv, dmask, None, None
+
+
+def _mask_gradient(q, k, v, mask, out, grad_out, lse, scale, is_causal):
+    """d loss / d mask = the scores' gradient, p * (dp - delta), summed over
+    the mask's broadcast batch and heads; torch ops in float32."""
+    group = q.shape[1] // k.shape[1]
+    k32 = k.float().repeat_interleave(group, dim=1)
+    v32 = v.float().repeat_interleave(group, dim=1)
+    scores = (q.float() @ k32.mT) * scale + mask.float()
+    if is_causal:
+        scores = scores.masked_fill(_causal_hidden(q.shape[2], k.shape[2], q.device), float("-inf"))
+    p = torch.exp(scores - lse.unsqueeze(-1))
+    dp = grad_out.float() @ v32.mT
+    delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)
+    return (p * (dp - delta)).sum_to_size(mask.shape).to(mask.dtype)
+
+
+def _causal_hidden(length: int, kv_length: int, device) -> torch.Tensor:
+    return ~torch.ones(length, kv_length, dtype=torch.bool, device=device).tril()
+
+
+def _forward_flops(q_shape, k_shape, v_shape, *args, out_shape, **kwargs) -> int:
+    dims = AttentionDims(q_shape[0], q_shape[1], k_shape[1], q_shape[2], k_shape[2],
+                         q_shape[3], v_shape[3])
+    return attention_flops(dims, causal=False)
+
+
+registration.define(
+    "pallas::attention_forward", forward_implementation, fake=_forward_fake,
+    backward=_backward, setup_context=_setup_context, flops=_forward_flops,
+)
+
+
+def _autocast_call(device_type: str, q, k, v, mask, scale, is_causal):
+    """Under torch.autocast, floating inputs are cast to its dtype, as torch
+    casts scaled_dot_product_attention's."""
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t):
+        if t is None or not t.is_floating_point() or t.device.type != device_type:
+            return t
+        return t if t.dtype == torch.float64 else t.to(dtype)
+
+    return torch.ops.pallas.attention_forward(cast(q), cast(k), cast(v), cast(mask), scale,
+                                              is_causal)
+
+
+registration.register_autocast("pallas::attention_forward", _autocast_call)
+
+
+# --- the backward op -------------------------------------------------------
+
+def _backward_fake(q, k, v, out, grad_out, lse, mask, scale, is_causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def backward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
+                            mask: torch.Tensor | None, scale: float,
+                            is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if grad_out.dtype != q.dtype:
+        raise TypeError(f"pallas::attention_backward: grad_out has dtype {grad_out.dtype}, "
+                        f"q {q.dtype}; they must be the same")
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0 or out.numel() == 0:
+        return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    inputs = (q, k, v, out, grad_out, lse) + (() if mask is None else (mask,))
+    return launch.run("attention_backward", q.device, inputs, _params(scale, is_causal))
+
+
+def _backward_flops(q_shape, k_shape, v_shape, *args, out_shape, **kwargs) -> int:
+    """Five products of the forward's size: s, dp, dv, dq, dk (s
+    recomputed)."""
+    dims = AttentionDims(q_shape[0], q_shape[1], k_shape[1], q_shape[2], k_shape[2],
+                         q_shape[3], v_shape[3])
+    return attention_flops(dims, causal=False) * 5 // 2
+
+
+registration.define(
+    "pallas::attention_backward", backward_implementation, fake=_backward_fake,
+    flops=_backward_flops,
+)
+
+# --- the composite, SDPA's signature ---------------------------------------
+
+registration.library("pallas").define(
+    "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+    "float dropout_p=0.0, bool is_causal=False, *, float? scale=None, "
+    "bool enable_gqa=False) -> Tensor",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+registration.library("pallas").impl("attention", attention_implementation,
+                                    "CompositeImplicitAutograd")
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+              is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False) -> torch.Tensor:
+    """`torch.nn.functional.scaled_dot_product_attention` on the Pallas
+    attention kernels: same arguments, same results (float32 softmax
+    statistics), differentiable (FlashAttention-2's backward). `dropout_p`
+    must be 0."""
+    return torch.ops.pallas.attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                      scale=scale, enable_gqa=enable_gqa)
+
+
+def attention_backward(q, k, v, out, grad_out, lse, mask=None, scale=None, is_causal=False):
+    """The backward op on canonical tensors (kernels/attention_shapes.py):
+    (dq, dk, dv) from the forward's `out` and `lse`."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    return torch.ops.pallas.attention_backward(q, k, v, out, grad_out, lse, mask, scale,
+                                               is_causal)
+
+
+# --- references and examples -----------------------------------------------
+
+def reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+              scale=None, enable_gqa=False) -> torch.Tensor:
+    """torch's scaled_dot_product_attention in float64, a causal rule added
+    to the mask (so that both may apply) and rows that see nothing 0."""
+    length, kv_length = query.shape[-2], key.shape[-2]
+    mask = None
+    if attn_mask is not None:
+        mask = (attn_mask if attn_mask.dtype == torch.bool else attn_mask.double())
+        if mask.dtype == torch.bool:
+            mask = torch.zeros((), dtype=torch.float64).masked_fill(~mask, float("-inf"))
+    if is_causal:
+        causal = torch.zeros(length, kv_length, dtype=torch.float64).masked_fill(
+            _causal_hidden(length, kv_length, "cpu"), float("-inf"))
+        mask = causal if mask is None else mask + causal
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.double(), key.double(), value.double(), attn_mask=mask, scale=scale,
+        enable_gqa=enable_gqa)
+    return torch.nan_to_num(out, nan=0.0)
+
+
+def error_bound(query, key, value, ref, **kwargs) -> torch.Tensor:
+    """Elementwise bound on |pallas - ref|: float32 accumulation over S and E
+    (scores and the weighted sum of values), then one rounding of the output
+    into the query's dtype; 16-bit probabilities are rounded once before
+    P @ V on the GPU kernels."""
+    s, e = key.shape[-2], query.shape[-1]
+    magnitude = value.double().abs().max()
+    accumulate = (s + e) * 2.0**-24 * 8 * magnitude
+    probabilities = (2 * dtypes.ROUNDING[query.dtype] * magnitude if query.dtype != torch.float32
+                     else 0)
+    return accumulate + probabilities + dtypes.ROUNDING[query.dtype] * ref.abs() + 1e-6
+
+
+def examples(device: torch.device, requires_grad: bool) -> list[registry.Example]:
+    """Ragged lengths with GQA and a causal rule, and a broadcast boolean
+    padding mask with L != S."""
+    found = []
+
+    def make(*shape):
+        return torch.randn(shape, device=device, requires_grad=requires_grad)
+
+    cases = (
+        ((2, 4, 37, 16), (2, 2, 45, 16), (2, 2, 45, 24), {"is_causal": True, "enable_gqa": True}),
+        ((2, 3, 9, 8), (2, 3, 13, 8), (2, 3, 13, 8),
+         {"attn_mask": torch.rand(2, 1, 1, 13, device=device) > 0.3}),
+    )
+    for q_shape, k_shape, v_shape, kwargs in cases:
+        q, k, v = make(*q_shape), make(*k_shape), make(*v_shape)
+        ref = reference(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(),
+                        **{n: (t.cpu() if isinstance(t, torch.Tensor) else t)
+                           for n, t in kwargs.items()})
+        found.append(registry.Example(
+            (q, k, v), kwargs, ref, error_bound(q.detach().cpu(), k.detach().cpu(),
+                                                v.detach().cpu(), ref)))
+    return found
+
+
+registry.register(registry.OpInfo(
+    name="attention",
+    kernels={
+        "tpu": "torch_pallas.kernels.tpu.attention",
+        "mosaic_gpu": "torch_pallas.kernels.mosaic_gpu.attention",
+        "triton": "torch_pallas.kernels.triton.attention",
+    },
+    function=attention,
+    torch_function=torch.nn.functional.scaled_dot_product_attention,
+    examples=examples,
+))
+
+
+def backward_examples(device: torch.device, requires_grad: bool) -> list[registry.Example]:
+    """The backward of a ragged GQA call with a causal rule, and of one with
+    a per-batch mask that hides every key from some rows."""
+    found = []
+    for (b, hq, hkv, l, s, e, ev), causal, masked in (((2, 4, 2, 21, 30, 16, 8), True, False),
+                                                      ((1, 2, 2, 9, 13, 8, 8), False, True)):
+        q = torch.randn(b, hq, l, e, device=device)
+        k = torch.randn(b, hkv, s, e, device=device)
+        v = torch.randn(b, hkv, s, ev, device=device)
+        do = torch.randn(b, hq, l, ev, device=device)
+        mask = None
+        if masked:
+            mask = torch.randn(b, 1, l, s, device=device)
+            mask[:, :, ::4] = float("-inf")
+        scale = 1.0 / math.sqrt(e)
+        out, lse = torch.ops.pallas.attention_forward(q, k, v, mask, scale, causal)
+        grads = _reference_gradients(q, k, v, mask, do, scale, causal)
+        bounds = tuple(error_bound(q.cpu(), k.cpu(), v.cpu(), g) * 4 * math.sqrt(s)
+                       for g in grads)
+        found.append(registry.Example((q, k, v, out, do, lse, mask, scale, causal), {},
+                                      grads, bounds))
+    return found
+
+
+def _reference_gradients(q, k, v, mask, do, scale, causal):
+    q64, k64, v64 = (t.detach().cpu().double().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    out = reference(q64, k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1),
+                    attn_mask=None if mask is None else mask.cpu(), is_causal=causal, scale=scale)
+    return torch.autograd.grad(out, (q64, k64, v64), do.cpu().double())
+
+
+registry.register(registry.OpInfo(
+    name="attention_backward",
+    kernels={
+        "tpu": "torch_pallas.kernels.tpu.attention_backward",
+        "mosaic_gpu": "torch_pallas.kernels.mosaic_gpu.attention_backward",
+        "triton": "torch_pallas.kernels.triton.attention_backward",
+    },
+    function=attention_backward,
+    torch_function=_reference_gradients,
+    examples=backward_examples,
+))

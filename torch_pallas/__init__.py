@@ -1,7 +1,7 @@
 """torch_pallas: Pallas kernels (JAX's kernel language) as PyTorch operators.
 
 `import torch_pallas` registers every op of ops/ (`torch.ops.pallas.fill`,
-`iota`, `add`, `matmul`, ...; torch_pallas.registry lists them) and makes
+`iota`, `add`, `matmul`, `attention`, ...; torch_pallas.registry lists them) and makes
 each a function here (`torch_pallas.matmul`). It does not import JAX; the
 first kernel call does. Backends: `torch_pallas.backends`; choose one with
 `TORCH_PALLAS_BACKEND=name` or `with torch_pallas.backend(name):`.
@@ -32,3 +32,12 @@ __all__ = [
     "race_detection",
     *_OPS,
 ]
+
+
+def __getattr__(name: str):
+    # `torch_pallas.transformers` imports transformers: loaded when first used.
+    if name == "transformers":
+        import importlib
+
+        return importlib.import_module("torch_pallas.transformers")
+    raise AttributeError(f"module 'torch_pallas' has no attribute {name!r}")

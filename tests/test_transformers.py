@@ -1,0 +1,122 @@
+"""transformers models with attn_implementation="pallas" against the same
+models on "sdpa": logits and every parameter's gradient, greedy generation
+with the KV cache on a left-padded batch, and torch.compile(fullgraph=True).
+Small Llama (grouped key/value heads) and Qwen2 (biased projections) models
+built from configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import torch_pallas
+import torch_pallas.transformers
+
+torch_pallas.transformers.register()
+
+VOCAB = 96
+
+
+def llama_config():
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def qwen2_config():
+    return transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=128)
+
+
+CONFIGS = {"llama": llama_config, "qwen2": qwen2_config}
+
+
+def pair(make_config):
+    """The same model (same weights) on "sdpa" and on "pallas"."""
+    reference = transformers.AutoModelForCausalLM.from_config(
+        make_config(), attn_implementation="sdpa").eval()
+    ours = transformers.AutoModelForCausalLM.from_config(
+        make_config(), attn_implementation="pallas").eval()
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
+def left_padded_batch(lengths=(13, 9, 4), total=13):
+    ids = torch.randint(3, VOCAB, (len(lengths), total))
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, total - n:] = 1
+        ids[row, :total - n] = 0  # the pad token
+    return ids, mask
+
+
+def test_every_attention_layer_runs_on_the_op(monkeypatch):
+    _, model = pair(llama_config)
+    calls = []
+    real = torch_pallas.transformers.attention_forward
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, "pallas",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    model(torch.randint(0, VOCAB, (2, 7)))
+    assert len(calls) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_logits_and_gradients_match_sdpa(family):
+    reference, ours = pair(CONFIGS[family])
+    ids, mask = left_padded_batch()
+    outputs = []
+    for model in (reference, ours):
+        model.train()
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        # Padded positions attend to nothing that matters: compare the real ones.
+        loss = (logits.float().log_softmax(-1)[mask.bool()].sum(-1) ** 2).mean()
+        model.zero_grad()
+        loss.backward()
+        outputs.append((logits[mask.bool()].detach(),
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (ref_logits, ref_grads), (logits, grads) = outputs
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    assert ref_grads.keys() == grads.keys()
+    for name, ref in ref_grads.items():
+        # float32 reassociation, relative to the gradient's size
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(grads[name], ref, atol=1e-5 * scale, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_generate_with_the_kv_cache_on_a_left_padded_batch(family):
+    reference, ours = pair(CONFIGS[family])
+    ids, mask = left_padded_batch()
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=True,
+                  pad_token_id=0)
+    expected = reference.generate(ids, **kwargs)
+    torch.testing.assert_close(ours.generate(ids, **kwargs), expected)
+
+
+def test_set_attn_implementation_switches_a_built_model():
+    reference, _ = pair(llama_config)
+    ids = torch.randint(3, VOCAB, (2, 11))
+    expected = reference(ids).logits
+    reference.set_attn_implementation("pallas")
+    assert reference.config._attn_implementation == "pallas"
+    torch.testing.assert_close(reference(ids).logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_compiled_fullgraph_matches_sdpa():
+    reference, ours = pair(llama_config)
+    ids, mask = left_padded_batch()
+    expected = reference(input_ids=ids, attention_mask=mask).logits
+    compiled = torch.compile(ours, fullgraph=True)
+    got = compiled(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def test_importing_torch_pallas_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch_pallas; assert 'transformers' not in sys.modules; "
+            "torch_pallas.transformers.register(); assert 'transformers' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -109,9 +109,13 @@ def pytest_report_header(config):
     ]
 
 
+UNITS = {"GFLOP/s": 1e9, "TFLOP/s": 1e12, "GB/s": 1e9}
+
+
 def record(benchmark, provider, *, op, dtype, shape, work: float, unit: str):
     """Fills `extra_info` after `benchmark(...)` ran: throughput from the
-    median, in `unit` (GFLOP/s or GB/s) for `work` (FLOPs or bytes)."""
+    median, in `unit` (GFLOP/s, TFLOP/s or GB/s) for `work` (FLOPs or
+    bytes)."""
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(
         op=op,
@@ -121,7 +125,7 @@ def record(benchmark, provider, *, op, dtype, shape, work: float, unit: str):
         shape=list(shape),
         device=providers.device_name(),
         unit=unit,
-        throughput=work / median / 1e9,
+        throughput=work / median / UNITS[unit],
         **providers.versions(),
         **dataclasses.asdict(CONDITIONS),
     )

@@ -44,7 +44,7 @@ def test_bench_suites_smoke_json_and_plots(tmp_path):
         assert "WARNING: OMP_WAIT_POLICY is unset, not PASSIVE" in summary
     benchmarks = json.loads(out.read_text())["benchmarks"]
     ops = {b["extra_info"]["op"] for b in benchmarks}
-    assert ops == {"matmul", "matmul_gelu", "add", "fill", "iota"}
+    assert ops == {"matmul", "matmul_gelu", "add", "fill", "iota", "attention", "attention_fwd_bwd"}
     for b in benchmarks:
         info = b["extra_info"]
         if b["group"].startswith("add-overhead"):

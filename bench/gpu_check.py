@@ -10,7 +10,11 @@ mosaic_gpu backend), meant to finish in a few minutes and need no network:
    fresh inputs per shape): the op on each backend (on Hopper: the tuned
    warp-specialized kernel), the quickstart-style pipelined kernel, and the
    compiled (Triton) path, printed last as a table of TFLOP/s and the ratio
-   to torch.
+   to torch;
+4. attention: pallas::attention on each backend checked first (forward and
+   every gradient against float64, ragged, GQA, causal, masks), then timed
+   at bfloat16, head dim 128, sequence 4096 and 8192, causal and not,
+   forward and forward+backward, against torch's SDPA on its flash backend.
 
     python bench/gpu_check.py [--quick] [--tune]
 
@@ -226,6 +230,100 @@ def time_matmuls(quick: bool, tune: bool) -> list[tuple]:
     return rows
 
 
+def check_attention(backend: str, failures: list[str]) -> None:
+    """Forward and gradients against float64 on ragged, GQA, causal and
+    masked calls: within twice torch's own error in the dtype, plus a
+    floor, as tests/test_attention.py bounds them."""
+    import torch.nn.functional as F
+
+    import torch_pallas
+    from torch_pallas.ops import attention as attention_op
+
+    atol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+    cases = [((2, 4, 37, 64), (2, 2, 45, 64), {"enable_gqa": True}),
+             ((2, 4, 300, 128), (2, 4, 300, 128), {"is_causal": True}),
+             ((1, 8, 1, 128), (1, 2, 1000, 128), {"enable_gqa": True}),  # decode
+             ((2, 2, 129, 80), (2, 2, 257, 80), {"attn_mask": "padding"}),
+             ((1, 2, 200, 256), (1, 2, 190, 256), {"is_causal": True})]
+    dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if backend == "triton" else ())
+    for dtype in dtypes:
+        for q_shape, k_shape, kwargs in cases:
+            name = f"attention {q_shape}x{k_shape} {sorted(kwargs)} {dtype}"
+            try:
+                q = torch.randn(q_shape, device="cuda", dtype=dtype, requires_grad=True)
+                k, v = (torch.randn(k_shape, device="cuda", dtype=dtype, requires_grad=True)
+                        for _ in range(2))
+                kw = dict(kwargs)
+                if kw.get("attn_mask") == "padding":
+                    kw["attn_mask"] = torch.rand(k_shape[0], 1, 1, k_shape[2], device="cuda") > 0.2
+                grad = torch.randn(*q_shape[:-1], k_shape[-1], device="cuda", dtype=dtype)
+                leaves64 = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+                ref = attention_op.reference(*leaves64, **{n: (x.cpu() if torch.is_tensor(x) else x)
+                                                           for n, x in kw.items()})
+                ref_grads = torch.autograd.grad(ref, leaves64, grad.cpu().double())
+                results = {}
+                for label, fn in (("torch", F.scaled_dot_product_attention),
+                                  ("pallas", torch_pallas.attention)):
+                    with torch_pallas.backend(backend):
+                        out = fn(q, k, v, **kw)
+                    results[label] = (out, *torch.autograd.grad(out, (q, k, v), grad))
+                ok, worst = True, 0.0
+                for r, t, p in zip((ref, *ref_grads), results["torch"], results["pallas"]):
+                    torch_err = (t.detach().cpu().double() - r).abs()
+                    err = (p.detach().cpu().double() - r).abs()
+                    floor = 2 * atol[dtype] * max(1.0, r.abs().max().item())
+                    ok &= bool((err <= 2 * torch_err + floor).all())
+                    worst = max(worst, err.max().item())
+                print(f"  {backend:<11} {name:<70} {'ok' if ok else 'WRONG'} max err {worst:.3g}")
+                if not ok:
+                    failures.append(f"{backend}: {name} max err {worst:.3g}")
+            except Exception as e:
+                traceback.print_exc()
+                failures.append(f"{backend}: {name} raised {type(e).__name__}: {e}")
+
+
+def time_attention(quick: bool) -> list[tuple]:
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import torch_pallas
+    from torch_pallas.kernels.attention_shapes import AttentionDims, attention_flops
+
+    shapes = [(4, 16, 4096, 128)] + ([] if quick else [(2, 16, 8192, 128)])
+    rows = []
+    for n, h, l, e in shapes:
+        for causal in (False, True):
+            q, k, v = (torch.randn(n, h, l, e, device="cuda", dtype=torch.bfloat16,
+                                   requires_grad=True) for _ in range(3))
+            grad = torch.randn_like(q)
+            flops = attention_flops(AttentionDims(n, h, h, l, l, e, e), causal)
+
+            def flash(q, k, v):
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            providers = [("torch flash", flash)]
+            for backend in gpu_backends():
+                def pallas(q, k, v, backend=backend):
+                    with torch_pallas.backend(backend):
+                        return torch_pallas.attention(q, k, v, is_causal=causal)
+                providers.append((f"pallas[{backend}]", pallas))
+            providers.append(("compiled (triton)", torch.compile(
+                lambda q, k, v: torch_pallas.attention(q, k, v, is_causal=causal), fullgraph=True)))
+            times = {}
+            for name, fn in providers:
+                fn(q, k, v)  # compile outside the timing
+                fwd = triton.testing.do_bench(lambda: fn(q, k, v), return_mode="median")
+                both = triton.testing.do_bench(
+                    lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad), return_mode="median")
+                times[name] = (fwd, both)
+            for name, (fwd, both) in times.items():
+                label = f"{n}x{h}x{l}x{e} {'causal' if causal else 'full'}"
+                rows.append((label, name, flops / fwd / 1e9, times["torch flash"][0] / fwd,
+                             3.5 * flops / both / 1e9, times["torch flash"][1] / both))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="skip the 8192^3 timing")
@@ -242,14 +340,21 @@ def main(argv=None) -> int:
     failures: list[str] = []
     for backend in gpu_backends():
         check_ops(backend, failures)
+        check_attention(backend, failures)
     check_compile(failures)
     run_gpu_tests(failures)
     rows = time_matmuls(args.quick, args.tune)
+    attention_rows = time_attention(args.quick)
 
     print(f"\nmatmul, median of triton.testing.do_bench ({time.time() - start:.0f} s in all)")
     print(f"{'shape':<16} {'dtype':<9} {'provider':<20} {'TFLOP/s':>8} {'x torch':>8}")
     for shape, dtype, name, tflops, ratio in rows:
         print(f"{shape:<16} {dtype:<9} {name:<20} {tflops:8.1f} {ratio:8.2f}")
+    print("\nattention, bfloat16, median of triton.testing.do_bench")
+    print(f"{'shape':<22} {'provider':<20} {'fwd TFLOP/s':>11} {'x torch':>8} "
+          f"{'fwd+bwd TFLOP/s':>15} {'x torch':>8}")
+    for shape, name, fwd, fwd_ratio, both, both_ratio in attention_rows:
+        print(f"{shape:<22} {name:<20} {fwd:11.1f} {fwd_ratio:8.2f} {both:15.1f} {both_ratio:8.2f}")
     if failures:
         print(f"\n{len(failures)} WRONG:", *failures, sep="\n  ")
         return 1

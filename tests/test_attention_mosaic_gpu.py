@@ -1,0 +1,198 @@
+"""The Hopper attention kernels (kernels/mosaic_gpu/attention.py and
+attention_backward.py): simulated in Mosaic GPU interpret mode
+(`mosaic_gpu_interpret`) against the float64 reference of
+tests/attention_reference.py on small ragged calls (decode, L > S causal,
+S = 1, GQA and MQA, every mask kind, odd head dims, both 16-bit dtypes), and
+lowered for sm_90a with every configuration select_config ships (the
+simulator checks values; the lowering checks wgmma layouts and dtypes, SMEM
+budget and the MLIR verifier, which the simulator skips).
+
+The simulator is slow (about 3 s to build a kernel, more per program), so
+the calls are small; each case runs the forward and, on the forward's own o
+and lse, the backward.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+from attention_reference import Case, bound, make_case, run_kernel, torch_error
+from helpers import assert_within
+from torch_pallas.kernels.mosaic_gpu import attention as forward
+from torch_pallas.kernels.mosaic_gpu import attention_backward as backward
+from torch_pallas.kernels.mosaic_gpu.tiles import HOPPER_SMEM_BYTES
+
+FORWARD = "torch_pallas.kernels.mosaic_gpu.attention"
+BACKWARD = "torch_pallas.kernels.mosaic_gpu.attention_backward"
+SIMULATOR = "mosaic_gpu_interpret"
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+H100 = types.SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3", core_count=132)
+
+
+def lse_bound(ref_lse):
+    """Scores and their log-sum-exp are float32 in every dtype."""
+    return 1e-4 + 1e-5 * ref_lse.abs()
+
+
+def run_forward(case):
+    return run_kernel(FORWARD, SIMULATOR, case.inputs, scale=case.scale, causal=case.causal)
+
+
+def run_backward(case, o, do, lse):
+    inputs = (case.q, case.k, case.v, o, do, lse) + (() if case.mask is None else (case.mask,))
+    return run_kernel(BACKWARD, SIMULATOR, inputs, scale=case.scale, causal=case.causal)
+
+
+def check_forward(case, o, lse, ref, errors):
+    what = f"attention (mosaic_gpu) {case.q.dtype}"
+    assert o.dtype == case.q.dtype and lse.dtype == torch.float32
+    assert_within(o, ref[0], bound(errors[0], case.q.dtype), f"{what}: o")
+    hidden = torch.isinf(ref[1])
+    assert torch.equal(lse == float("inf"), hidden), f"{what}: lse is +inf exactly where no key is visible"
+    assert_within(lse[~hidden], ref[1][~hidden], lse_bound(ref[1][~hidden]), f"{what}: lse")
+
+
+def check_gradients(case, grads, ref, errors):
+    for name, grad, expected, err in zip(("dq", "dk", "dv"), grads, ref[2], errors[1:]):
+        assert grad.dtype == case.q.dtype and grad.shape == expected.shape, name
+        magnitude = max(1.0, expected.abs().max().item())
+        assert_within(grad, expected, bound(err, case.q.dtype, magnitude),
+                      f"attention backward (mosaic_gpu) {case.q.dtype}: {name}")
+
+
+def check_case(case, with_backward=True):
+    o, lse = run_forward(case)
+    do = torch.randn(o.shape).to(o.dtype) if with_backward else None
+    ref, errors = torch_error(case, do)
+    check_forward(case, o, lse, ref, errors)
+    if with_backward:
+        check_gradients(case, run_backward(case, o, do, lse), ref, errors)
+
+
+# (id, make_case keywords): each a ragged canonical call, small for the simulator.
+CASES = [
+    ("gqa-ragged-bf16", dict(b=1, hq=4, hkv=2, l=37, s=45, e=32, dtype=BF16)),
+    ("mqa-causal-multiblock-E40-Ev24", dict(b=1, hq=2, hkv=1, l=70, s=150, e=40, ev=24,
+                                            causal=True, dtype=F16)),
+    ("decode-gqa", dict(b=1, hq=4, hkv=1, l=1, s=45, e=64, dtype=BF16)),
+    ("causal-L>S-shared-mask", dict(b=1, hq=2, hkv=1, l=50, s=20, e=32, causal=True, dtype=F16,
+                                    mask="shared", mask_dtype=F32)),
+    ("full-mask-f32-mask", dict(b=1, hq=2, hkv=2, l=20, s=45, e=24, dtype=BF16, mask="full",
+                                mask_dtype=F32)),
+    ("empty-rows-causal", dict(b=1, hq=2, hkv=1, l=37, s=45, e=32, dtype=F16, mask="empty_rows",
+                               causal=True)),
+    ("batch-mask", dict(b=2, hq=2, hkv=2, l=9, s=30, e=32, dtype=BF16, mask="batch")),
+    ("S=1-heads-mask", dict(b=1, hq=2, hkv=1, l=9, s=1, e=32, dtype=F16, mask="heads")),
+]
+
+
+@pytest.mark.parametrize("kwargs", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_simulated_forward_and_backward_match_float64(kwargs):
+    check_case(make_case(**kwargs))
+
+
+def test_simulated_forward_e128_ev_not_e():
+    check_case(make_case(b=1, hq=2, hkv=1, l=20, s=33, e=128, ev=64, dtype=BF16),
+               with_backward=False)
+
+
+@pytest.mark.slow
+def test_simulated_head_dim_256_many_blocks():
+    """Head dims 256 / 200 (the smallest blocks and pipelines select_config
+    ships) over several query and key blocks, with a mask and causal."""
+    check_case(make_case(b=1, hq=2, hkv=1, l=130, s=200, e=256, ev=200, dtype=BF16,
+                         mask="heads", causal=True))
+
+
+def test_causal_never_reads_key_blocks_above_the_diagonal():
+    """Keys and values past the first 128 are NaN: a causal call for 64
+    query rows must never load them (even a zero weight times NaN is NaN);
+    the dK/dV kernel gives those keys exact zeros (no query sees them)."""
+    case = make_case(b=1, hq=2, hkv=1, l=64, s=300, e=32, causal=True, dtype=F16)
+    do = torch.randn(case.q.shape).to(case.q.dtype)
+    ref, errors = torch_error(case, do)
+    k, v = case.k.clone(), case.v.clone()
+    k[:, :, 128:], v[:, :, 128:] = float("nan"), float("nan")
+    poisoned = Case(case.q, k, v, None, causal=True, scale=case.scale)
+    o, lse = run_forward(poisoned)
+    check_forward(case, o, lse, ref, errors)
+    dq, dk, dv = run_backward(poisoned, o, do, lse)
+    assert_within(dq, ref[2][0], bound(errors[1], F16, max(1.0, ref[2][0].abs().max().item())),
+                  "dq")
+    assert torch.equal(dk[:, :, 64:], torch.zeros_like(dk[:, :, 64:]))
+    assert torch.equal(dv[:, :, 64:], torch.zeros_like(dv[:, :, 64:]))
+
+
+def test_float32_is_refused_and_16_bit_is_not():
+    for spec in (forward.KERNEL, backward.KERNEL):
+        avals = (((1, 2, 8, 32), "float32"), ((1, 2, 8, 32), "float32"), ((1, 2, 8, 32), "float32"))
+        reason = spec.refusal("mosaic_gpu", avals, {"scale": 0.1, "causal": False})
+        assert reason is not None and "float32" in reason and "float16 or bfloat16" in reason
+        assert spec.refusal("mosaic_gpu", tuple((s, "bfloat16") for s, _ in avals), {}) is None
+
+
+def test_a_config_past_the_shared_memory_budget_is_refused():
+    config = forward.AttentionConfig(block_q=64, block_kv=128, max_concurrent_steps=4)
+    assert config.smem_bytes("bfloat16", 256, 256) > HOPPER_SMEM_BYTES
+    with pytest.raises(ValueError, match="shared memory"):
+        config.check("bfloat16", 256, 256)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        backward.BackwardConfig(block_q=32, block_kv=64, max_concurrent_steps=2).check(
+            "float16", 64, 64)
+
+
+# Lowering for sm_90a: every head-dim bucket select_config distinguishes, each
+# with a causal call, a float32 and a 16-bit mask, GQA throughout.
+HEAD_DIMS = [(64, 64), (128, 128), (192, 192), (256, 256), (40, 24), (256, 64), (64, 256)]
+MASKS = [(None, True), ("float32", False), ("bfloat16", True)]  # (mask dtype, causal)
+
+
+def aval(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def lower_for_hopper(f, avals) -> str:
+    text = jax.jit(f).trace(*[aval(*a) for a in avals]).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text, "no Mosaic GPU kernel in the lowered module"
+    return text
+
+
+def attention_avals(e, ev, mask_dtype, dtype="bfloat16", b=2, hq=4, hkv=2, l=300, s=500,
+                    mask_heads=1):
+    avals = (((b, hq, l, e), dtype), ((b, hkv, s, e), dtype), ((b, hkv, s, ev), dtype))
+    mask = () if mask_dtype is None else (((b, mask_heads, l, s), mask_dtype),)
+    return avals, mask
+
+
+@pytest.mark.parametrize("e,ev", HEAD_DIMS, ids=str)
+def test_every_shipped_config_lowers_for_hopper(e, ev):
+    for mask_dtype, causal in MASKS:
+        dtype = "float16" if causal else "bfloat16"
+        qkv, mask = attention_avals(e, ev, mask_dtype, dtype, mask_heads=4 if causal else 1)
+        params = {"scale": 0.125, "causal": causal}
+        config = forward.KERNEL.config("mosaic_gpu", qkv + mask, params, H100)
+        config.check(dtype, e, ev, mask_dtype)
+        lower_for_hopper(lambda *a: forward.attention(*a, **params, config=config,
+                                                      interpret=None), qkv + mask)
+        (b, hq, l, _), _ = qkv[0]
+        saved = (((b, hq, l, ev), dtype), ((b, hq, l, ev), dtype), ((b, hq, l), "float32"))
+        avals = qkv + saved + mask
+        config = backward.KERNEL.config("mosaic_gpu", avals, params, H100)
+        config.check(dtype, e, ev, mask_dtype)
+        lower_for_hopper(lambda *a: backward.attention_backward(*a, **params, config=config,
+                                                                interpret=None), avals)
+
+
+def test_decode_and_mqa_lower_for_hopper():
+    qkv, mask = attention_avals(128, 128, "float16", "float16", b=1, hq=8, hkv=1, l=1, s=4096,
+                                mask_heads=8)
+    params = {"scale": 0.1, "causal": False}
+    config = forward.KERNEL.config("mosaic_gpu", qkv + mask, params, H100)
+    lower_for_hopper(lambda *a: forward.attention(*a, **params, config=config, interpret=None),
+                     qkv + mask)

@@ -1,0 +1,319 @@
+"""Scaled dot-product attention, forward, on TPU: FlashAttention with VMEM
+blocks and an online softmax (Dao et al., "FlashAttention: Fast and
+Memory-Efficient Exact Attention with IO-Awareness", 2022; FlashAttention-2,
+Dao 2023, for the loop order and the statistics kept).
+
+The contract (inputs, outputs, masks, causal, GQA, the +inf lse of a row that
+sees no key) is kernels/attention_shapes.py's.
+
+Pipelined body (TPU, `tpu_interpret`): `pl.kernel` on the TensorCore mesh;
+`pltpu.emit_pipeline` walks the grid (B, Hq, L/bq, S/bk). A query block stays
+resident in VMEM while key/value blocks stream past it: the key axis is
+ARBITRARY (sequential), the others PARALLEL and split across the TensorCores.
+Per (query block, key block): s = scale * q kᵀ (+ the mask block), then the
+running row maximum m, denominator l and float32 accumulator acc (VMEM
+scratch) are rescaled by exp(m_old - m_new) and updated; the last key block
+writes o = acc / l and lse = m + log l. Causal blocks wholly above the
+diagonal are skipped: their body does nothing, and their key/value/mask index
+maps repeat the last visible block, so the pipeline fetches nothing new. The
+mask is read block by block from (Bm, Hm, L, S), a broadcast batch or head
+axis mapped to block 0 by the index map (never copied); key/value head
+h // G serves query head h the same way (GQA, never repeated in memory).
+Ragged L and S are zero-padded to whole blocks once, outside the kernel; the
+padded keys are masked (-inf) inside it, the padded rows sliced off. Head
+dimensions are padded to whole lanes.
+
+Batched body (`interpret`, JAX's generic interpreter on CPU): see
+attention_blocks.py. Whole (batch, kv-head, query-row) blocks, all query
+heads of a key/value head together, one batched product per block; keys in
+chunks with the same online softmax when the scores would exceed the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from torch_pallas.kernels.attention_shapes import attention_dims
+from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels.shapes import cdiv, round_up
+from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import attention_blocks as blocks_
+from torch_pallas.kernels.tpu.attention_blocks import Body, dot, visible
+from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    body: Body
+    block_q: int | None  # query rows per block; None: all
+    block_k: int | None  # keys per block (pipelined) or per chunk (batched); None: all
+    block_b: int | None = None  # batched: batch entries per block; None: all
+    block_h: int | None = None  # batched: key/value heads per block; None: all
+    head_multiple: int = 1  # head dimensions padded to a multiple of this
+
+    @classmethod
+    def default(cls, backend: str) -> "AttentionConfig":
+        if backend == "interpret":
+            return cls(Body.BATCHED, None, None)
+        return cls(Body.PIPELINED, block_q=128, block_k=128, head_multiple=blocks_.LANES)
+
+
+# ---------------------------------------------------------------------------
+# Pipelined body (TPU)
+
+
+def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale, causal,
+                     kv_len, group, block_k, num_cores):
+    """q_hbm (B, Hq, Lp, Ep), k_hbm (B, Hkv, Sp, Ep), v_hbm (B, Hkv, Sp, Evp),
+    an optional mask (Bm, Hm, Lp, Sp); outputs o (B, Hq, Lp, Evp) and lse
+    (B, Hq, Lp, 1); scratch m, l (bq, LANES) and acc (bq, Evp), float32."""
+    *ins, o_hbm, lse_hbm = refs
+    mask_hbm = ins[0] if ins else None
+    batch, q_heads, lp, _ = q_hbm.shape
+    sp = k_hbm.shape[2]
+    bq, bk = acc_vmem.shape[0], block_k
+    grid = (batch, q_heads, lp // bq, sp // bk)
+    q_offset = blocks_.split_offset(grid, 2, num_cores, parallel_dims=3)
+
+    def last_visible(i):
+        return jnp.minimum((i * bq + bq - 1) // bk, grid[3] - 1)
+
+    def kv_step(i, j):  # a skipped causal block repeats the last visible one
+        return jnp.minimum(j, last_visible(i)) if causal else j
+
+    def body(q_ref, k_ref, v_ref, *rest):
+        mask_ref = rest[0] if mask_hbm is not None else None
+        o_ref, lse_ref = rest[-2:]
+        i, j = pl.program_id(2) + q_offset, pl.program_id(3)
+
+        @pl.when(j == 0)
+        def _():
+            m_vmem[...] = jnp.full_like(m_vmem, -jnp.inf)
+            l_vmem[...] = jnp.zeros_like(l_vmem)
+            acc_vmem[...] = jnp.zeros_like(acc_vmem)
+
+        def update():
+            s = dot(q_ref[...], k_ref[...], (1, 1)) * scale
+            if mask_ref is not None:
+                s = s + mask_ref[...].astype(jnp.float32)
+            seen = visible(i * bq, j * bk, s.shape, causal=causal, kv_len=kv_len,
+                           padded_kv_len=sp)
+            if seen is not None:
+                s = jnp.where(seen, s, -jnp.inf)
+            m_old = m_vmem[...]
+            m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
+            p = jnp.exp(s - m_safe[:, :1])
+            alpha = jnp.exp(m_old - m_safe)
+            l_vmem[...] = alpha * l_vmem[...] + p.sum(axis=1, keepdims=True)
+            v = v_ref[...]
+            acc_vmem[...] = acc_vmem[...] * alpha[:, :1] + dot(p.astype(v.dtype), v, (1, 0))
+            m_vmem[...] = m_new
+
+        if causal:
+            pl.when(j * bk <= i * bq + bq - 1)(update)
+        else:
+            update()
+
+        @pl.when(j == grid[3] - 1)
+        def _():
+            l = l_vmem[...][:, :1]
+            empty = l == 0.0
+            o_ref[...] = jnp.where(empty, 0.0, acc_vmem[...] / jnp.where(empty, 1.0, l)
+                                   ).astype(o_ref.dtype)
+            lse_ref[...] = jnp.where(empty, jnp.inf, m_vmem[...][:, :1] + jnp.log(l))
+
+    e, ev = q_hbm.shape[3], v_hbm.shape[3]
+    in_specs = [
+        pl.BlockSpec((None, None, bq, e), lambda b, h, i, j: (b, h, i, 0)),
+        pl.BlockSpec((None, None, bk, e), lambda b, h, i, j: (b, h // group, kv_step(i, j), 0)),
+        pl.BlockSpec((None, None, bk, ev), lambda b, h, i, j: (b, h // group, kv_step(i, j), 0)),
+    ]
+    operands = [q_hbm, k_hbm, v_hbm]
+    if mask_hbm is not None:
+        def mask_index(b, h, i, j):
+            return (*blocks_.mask_block_index(mask_hbm.shape, b, h), i, kv_step(i, j))
+
+        in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
+        operands.append(mask_hbm)
+    out_specs = [
+        pl.BlockSpec((None, None, bq, ev), lambda b, h, i, j: (b, h, i, 0)),
+        pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j: (b, h, i, 0)),
+    ]
+    pltpu.emit_pipeline(
+        body, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        **pipeline_core_split(num_cores, parallel_dims=3),
+    )(*operands, o_hbm, lse_hbm)
+
+
+def pipelined_attention(q, k, v, mask, *, scale, causal, config, interpret, num_cores):
+    dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
+    bq = blocks_.pipelined_block(dims.q_len, config.block_q, blocks_.SUBLANES)
+    bk = blocks_.pipelined_block(dims.kv_len, config.block_k, blocks_.LANES)
+    nq = blocks_.splittable_blocks(cdiv(dims.q_len, bq), dims.batch, dims.q_heads,
+                                   num_cores=num_cores)
+    lp, sp = nq * bq, round_up(dims.kv_len, bk)
+    ep = round_up(dims.head_dim, config.head_multiple)
+    evp = round_up(dims.value_dim, config.head_multiple)
+    b, hq, hkv = dims.batch, dims.q_heads, dims.kv_heads
+    operands = [pad_to(q, (b, hq, lp, ep)), pad_to(k, (b, hkv, sp, ep)),
+                pad_to(v, (b, hkv, sp, evp))]
+    if mask is not None:
+        operands.append(pad_to(mask, (*mask.shape[:2], lp, sp)))
+    o, lse = pl.kernel(
+        functools.partial(pipelined_kernel, scale=scale, causal=causal, kv_len=dims.kv_len,
+                          group=dims.group, num_cores=num_cores, block_k=bk),
+        out_type=(jax.ShapeDtypeStruct((b, hq, lp, evp), q.dtype),
+                  jax.ShapeDtypeStruct((b, hq, lp, 1), jnp.float32)),
+        mesh=tensorcore_mesh(num_cores),
+        scratch_types=dict(m_vmem=pltpu.VMEM((bq, blocks_.LANES), jnp.float32),
+                           l_vmem=pltpu.VMEM((bq, blocks_.LANES), jnp.float32),
+                           acc_vmem=pltpu.VMEM((bq, evp), jnp.float32)),
+        interpret=interpret,
+    )(*operands)
+    return o[:, :, :dims.q_len, :dims.value_dim], lse[:, :, :dims.q_len, 0]
+
+
+# ---------------------------------------------------------------------------
+# Batched body (generic interpreter, CPU)
+
+
+def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
+    """q_hbm (B, Hkv, G, Lp, E), k_hbm (B, Hkv, Sp, E), v_hbm (B, Hkv, Sp, Ev),
+    an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp); outputs o
+    (B, Hkv, G, Lp, Ev) and lse (B, Hkv, G, Lp). Blocks are read straight
+    from the operands (the generic interpreter's refs are arrays)."""
+    *ins, o_hbm, lse_hbm = refs
+    mask_hbm = ins[0] if ins else None
+    batch, kv_heads, _, lp, _ = q_hbm.shape
+    sp = k_hbm.shape[2]
+    bb, bh, bq, ck = blocks
+    grid = (batch // bb, kv_heads // bh, lp // bq)
+
+    def one_block(bi, hi, qi):
+        rows = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh), slice(None), pl.ds(qi * bq, bq))
+        q = q_hbm[rows].astype(jnp.float32)
+
+        def keys(c0, n):
+            kv = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh), pl.ds(c0, n))
+            k, v = k_hbm[kv].astype(jnp.float32), v_hbm[kv].astype(jnp.float32)
+            s = dot(q, k, (4, 3), batch_dims=2) * scale  # (bb, bh, G, bq, n)
+            if mask_hbm is not None:
+                mb = pl.ds(bi * bb, bb) if mask_hbm.shape[0] > 1 else slice(None)
+                mh = pl.ds(hi * bh, bh) if mask_hbm.shape[1] > 1 else slice(None)
+                s = s + mask_hbm[mb, mh, :, pl.ds(qi * bq, bq), pl.ds(c0, n)].astype(jnp.float32)
+            seen = visible(qi * bq, c0, s.shape, causal=causal, kv_len=kv_len, padded_kv_len=sp)
+            if seen is not None:
+                s = jnp.where(seen, s, -jnp.inf)
+            return s, v
+
+        if ck >= sp:  # every key at once: a plain softmax
+            s, v = keys(0, sp)
+            m = s.max(axis=-1, keepdims=True)
+            m = jnp.where(m == -jnp.inf, 0.0, m)
+            p = jnp.exp(s - m)
+            l = p.sum(axis=-1, keepdims=True)
+            acc = dot(p, v, (4, 2), batch_dims=2)
+        else:  # key chunks, online softmax
+            chunks = sp // ck
+            if causal:  # the chunks holding a key some row of the block sees
+                chunks = jnp.minimum(chunks, cdiv_traced(qi * bq + bq, ck))
+
+            def step(c, carry):
+                m_old, l_old, acc_old = carry
+                s, v = keys(pl.multiple_of(c * ck, 8), ck)
+                m_new = jnp.maximum(m_old, s.max(axis=-1, keepdims=True))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                p = jnp.exp(s - m_safe)
+                alpha = jnp.exp(m_old - m_safe)
+                return (m_new, alpha * l_old + p.sum(axis=-1, keepdims=True),
+                        alpha * acc_old + dot(p, v, (4, 2), batch_dims=2))
+
+            stats = q.shape[:-1] + (1,)
+            init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
+                    jnp.zeros(q.shape[:-1] + (v_hbm.shape[-1],), jnp.float32))
+            m, l, acc = jax.lax.fori_loop(0, chunks, step, init)
+            m = jnp.where(m == -jnp.inf, 0.0, m)
+        empty = l == 0.0
+        o_hbm[rows] = jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, l)).astype(o_hbm.dtype)
+        lse_hbm[rows] = jnp.where(empty, jnp.inf, m + jnp.log(l))[..., 0]
+
+    steps = grid[0] * grid[1] * grid[2]
+    if steps == 1:
+        one_block(0, 0, 0)
+        return
+
+    @pl.loop(0, steps)
+    def _(t):
+        one_block(t // (grid[1] * grid[2]), (t // grid[2]) % grid[1], t % grid[2])
+
+
+def cdiv_traced(a, b):
+    return (a + b - 1) // b
+
+
+def batched_attention(q, k, v, mask, *, scale, causal, config, interpret, num_cores):
+    if num_cores != 1:
+        raise ValueError(f"attention: the batched body runs on one core, not {num_cores=} "
+                         "(it is the generic interpreter's; use Body.PIPELINED)")
+    dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
+    b, hkv, g = dims.batch, dims.kv_heads, dims.group
+    bb, bh = config.block_b or b, config.block_h or hkv
+    bq, ck = config.block_q or dims.q_len, config.block_k or dims.kv_len
+    if b % bb or hkv % bh:
+        raise ValueError(f"attention: {config.block_b=} and {config.block_h=} must divide the "
+                         f"batch {b} and the key/value heads {hkv}")
+    lp, sp = round_up(dims.q_len, bq), round_up(dims.kv_len, ck)
+    operands = [blocks_.as_groups(pad_to(q, (b, dims.q_heads, lp, dims.head_dim)), hkv),
+                pad_to(k, (b, hkv, sp, dims.head_dim)), pad_to(v, (b, hkv, sp, dims.value_dim))]
+    if mask is not None:
+        operands.append(blocks_.mask_groups(pad_to(mask, (*mask.shape[:2], lp, sp)), hkv))
+    o, lse = pl.kernel(
+        functools.partial(batched_kernel, blocks=(bb, bh, bq, ck), scale=scale, causal=causal,
+                          kv_len=dims.kv_len),
+        out_type=(jax.ShapeDtypeStruct((b, hkv, g, lp, dims.value_dim), q.dtype),
+                  jax.ShapeDtypeStruct((b, hkv, g, lp), jnp.float32)),
+        mesh=tensorcore_mesh(num_cores),
+        interpret=interpret,
+    )(*operands)
+    o = o.reshape(b, dims.q_heads, lp, dims.value_dim)[:, :, :dims.q_len]
+    return o, lse.reshape(b, dims.q_heads, lp)[:, :, :dims.q_len]
+
+
+# ---------------------------------------------------------------------------
+# Entry point
+
+
+def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: AttentionConfig,
+              interpret, num_cores: int):
+    """(o, lse) of softmax(scale * q kᵀ + mask [+ causal]) v, per
+    kernels/attention_shapes.py."""
+    run = batched_attention if config.body is Body.BATCHED else pipelined_attention
+    return run(q, k, v, mask, scale=float(scale), causal=bool(causal), config=config,
+               interpret=interpret, num_cores=num_cores)
+
+
+def _dims(avals):
+    shapes = [shape for shape, _ in avals]
+    return attention_dims(*shapes[:3], shapes[3] if len(shapes) > 3 else None)
+
+
+def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
+    """On `interpret`, the biggest batched blocks whose scores fit the budget
+    (attention_blocks.batched_blocks); TPU blocks elsewhere."""
+    if backend != "interpret":
+        return AttentionConfig.default(backend)
+    mask_itemsize = blocks_.itemsize(avals[3][1]) if len(avals) > 3 else 0
+    blk = blocks_.batched_blocks(_dims(avals), mask_itemsize=mask_itemsize)
+    return AttentionConfig(Body.BATCHED, block_q=blk.q_rows, block_k=blk.k_chunk,
+                           block_b=blk.batch, block_h=blk.kv_heads)
+
+
+KERNEL = KernelSpec(run=attention, default_config=AttentionConfig.default,
+                    select_config=select_config)

@@ -1,0 +1,183 @@
+"""What the TPU attention kernels (attention.py, attention_backward.py)
+share: the two kernel bodies they choose between, the block sizes of each,
+the score block's visibility rule, the products in float32, and the index
+of a TensorCore's share of a pipelined grid.
+
+Two bodies, chosen by the config:
+
+- `Body.PIPELINED` (TPU, `tpu_interpret`): FlashAttention's blocks in VMEM,
+  walked by `pltpu.emit_pipeline`, batch / heads / query blocks (or key
+  blocks) PARALLEL and split across the TensorCores, the reduction axis
+  ARBITRARY.
+- `Body.BATCHED` (`interpret`, JAX's generic interpreter on CPU): that
+  interpreter pays per grid step and per copied block, so the body reads
+  whole (batch, head, query) blocks straight from the operands and multiplies
+  them with batched products (one XLA dot over every head in the block); it
+  loops over key chunks with an online softmax only when a block's scores
+  would exceed `SCORE_BUDGET_BYTES`, which keeps memory bounded for long
+  sequences. It never lowers for a TPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+
+from torch_pallas.kernels.attention_shapes import AttentionDims
+from torch_pallas.kernels.shapes import cdiv, round_up
+from torch_pallas.kernels.tpu.cores import core_index
+
+# The largest float32 score block (rows x key chunk) the batched body makes.
+SCORE_BUDGET_BYTES = 64 * 2**20
+# TPU vector tiles: sublanes (second-to-last axis; 16 covers packed 16-bit
+# rows) and lanes (last axis).
+SUBLANES = 16
+LANES = 128
+
+
+class Body(enum.Enum):
+    PIPELINED = "pipelined"  # VMEM blocks, emit_pipeline (TPU)
+    BATCHED = "batched"  # whole blocks, batched products (generic interpreter, CPU)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchedBlocks:
+    """One block of the batched body: `batch` x `kv_heads` (with all their
+    query heads) x `q_rows` query rows, keys taken `k_chunk` at a time."""
+
+    batch: int
+    kv_heads: int
+    q_rows: int
+    k_chunk: int
+
+
+def _divisors_down(n: int):
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def _even(n: int, most: int, multiple: int = 8) -> int:
+    """Blocks of at most about `most` splitting `n` evenly (n itself if it fits)."""
+    if most >= n:
+        return n
+    return round_up(cdiv(n, cdiv(n, max(most, 1))), multiple)
+
+
+def batched_blocks(dims: AttentionDims, *, budget: int = SCORE_BUDGET_BYTES,
+                   mask_itemsize: int = 0, min_chunk: int = 512) -> BatchedBlocks:
+    """The biggest block whose float32 scores (and mask rows, which the
+    batched body reads whole along the keys) stay within `budget` bytes:
+    the whole batch and all heads first, then fewer of them, then one
+    (batch, kv head) with key chunks of at least `min_chunk`, then fewer
+    query rows too."""
+    g, l, s = dims.group, dims.q_len, dims.kv_len
+
+    def fits(bb, bh, rows, chunk):
+        scores = bb * bh * g * rows * chunk * 4
+        mask = bb * bh * g * rows * s * mask_itemsize
+        return scores <= budget and mask <= budget
+
+    for bb in _divisors_down(dims.batch):
+        for bh in _divisors_down(dims.kv_heads):
+            if fits(bb, bh, l, s):
+                return BatchedBlocks(bb, bh, l, s)
+    chunk = budget // (4 * g * l)
+    if chunk >= min(s, min_chunk) and fits(1, 1, l, 0):
+        return BatchedBlocks(1, 1, l, _even(s, chunk))
+    chunk = _even(s, min_chunk)
+    rows = budget // (4 * g * chunk)
+    if mask_itemsize:
+        rows = min(rows, budget // (g * s * mask_itemsize))
+    return BatchedBlocks(1, 1, _even(l, max(rows, 8)), chunk)
+
+
+def pipelined_block(n: int, block: int, multiple: int) -> int:
+    """A TPU block along an axis of `n`: `block`, or for a shorter axis the
+    axis rounded up to `multiple` (one block)."""
+    return min(block, round_up(n, multiple))
+
+
+def visible(q_start, k_start, shape, *, causal: bool, kv_len: int, padded_kv_len: int):
+    """Which scores of a block starting at query row `q_start` and key
+    `k_start` may be nonzero: keys inside the true sequence (the padding is
+    masked out), and with `causal` only keys at or before the query. None
+    when every score is visible. `shape` ends with (rows, keys); the result
+    broadcasts against it."""
+    rows, keys = shape[-2:]
+    lead = (1,) * (len(shape) - 2)
+    cond = None
+    key = k_start + jax.lax.broadcasted_iota(jnp.int32, (*lead, 1, keys), len(shape) - 1)
+    if padded_kv_len > kv_len:
+        cond = key < kv_len
+    if causal:
+        row = q_start + jax.lax.broadcasted_iota(jnp.int32, (*lead, rows, 1), len(shape) - 2)
+        seen = key <= row
+        cond = seen if cond is None else cond & seen
+    return cond
+
+
+def precision(dtype):
+    """float32 products in full (the MXU's default is one bfloat16 pass,
+    less than torch allows); 16-bit ones natively."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def dot(a, b, contract, batch_dims: int = 0):
+    """a and b contracted along axes `contract` = (a's, b's), sharing their
+    first `batch_dims` axes, accumulated in float32."""
+    batch = tuple(range(batch_dims))
+    return jax.lax.dot_general(
+        a, b, (((contract[0],), (contract[1],)), (batch, batch)),
+        precision=precision(a.dtype), preferred_element_type=jnp.float32)
+
+
+def split_offset(grid: tuple[int, ...], dim: int, num_cores: int, parallel_dims: int):
+    """The first global index, along grid dimension `dim`, of this core's
+    share, when `pipeline_core_split` spreads the PARALLEL dimensions over
+    `num_cores`: emit_pipeline splits the first of them whose size the cores
+    divide (the kernels make one exist), and its body sees indices local to
+    the core's share."""
+    if num_cores <= 1:
+        return 0
+    split = next((d for d in range(parallel_dims) if grid[d] % num_cores == 0), None)
+    if split is None:
+        raise ValueError(f"attention: no parallel grid dimension of {grid} divides into "
+                         f"{num_cores} TensorCores")
+    return core_index(num_cores) * (grid[dim] // num_cores) if split == dim else 0
+
+
+def splittable_blocks(blocks: int, *others: int, num_cores: int) -> int:
+    """The block count along an axis, raised to a multiple of the cores when
+    neither it nor the other parallel sizes divide among them (the padded
+    blocks hold padding only)."""
+    if num_cores <= 1 or any(n % num_cores == 0 for n in (*others, blocks)):
+        return blocks
+    return round_up(blocks, num_cores)
+
+
+def mask_block_index(mask_shape, b, h):
+    """The mask's (batch, head) block for query batch `b` and head `h`:
+    0 along a broadcast (size 1) axis, so the mask is read in place."""
+    bm, hm = mask_shape[:2]
+    return (b if bm > 1 else 0), (h if hm > 1 else 0)
+
+
+def itemsize(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+def as_groups(x, kv_heads: int):
+    """(B, Hq, ...) viewed as (B, Hkv, G, ...): query head h = kv * G + g
+    (a reshape, no copy)."""
+    b, hq, *rest = x.shape
+    return x.reshape(b, kv_heads, hq // kv_heads, *rest)
+
+
+def mask_groups(mask, kv_heads: int):
+    """The mask (Bm, Hm, L, S) as (Bm, Hkv or 1, G or 1, L, S)."""
+    bm, hm, l, s = mask.shape
+    if hm == 1:
+        return mask.reshape(bm, 1, 1, l, s)
+    return mask.reshape(bm, kv_heads, hm // kv_heads, l, s)

@@ -31,7 +31,6 @@ chunks with the same online softmax when the scores would exceed the budget.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -44,24 +43,8 @@ from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import cdiv, round_up
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import attention_blocks as blocks_
-from torch_pallas.kernels.tpu.attention_blocks import Body, dot, visible
+from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot, visible
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    body: Body
-    block_q: int | None  # query rows per block; None: all
-    block_k: int | None  # keys per block (pipelined) or per chunk (batched); None: all
-    block_b: int | None = None  # batched: batch entries per block; None: all
-    block_h: int | None = None  # batched: key/value heads per block; None: all
-    head_multiple: int = 1  # head dimensions padded to a multiple of this
-
-    @classmethod
-    def default(cls, backend: str) -> "AttentionConfig":
-        if backend == "interpret":
-            return cls(Body.BATCHED, None, None)
-        return cls(Body.PIPELINED, block_q=128, block_k=128, head_multiple=blocks_.LANES)
 
 
 # ---------------------------------------------------------------------------
@@ -310,9 +293,7 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     if backend != "interpret":
         return AttentionConfig.default(backend)
     mask_itemsize = blocks_.itemsize(avals[3][1]) if len(avals) > 3 else 0
-    blk = blocks_.batched_blocks(_dims(avals), mask_itemsize=mask_itemsize)
-    return AttentionConfig(Body.BATCHED, block_q=blk.q_rows, block_k=blk.k_chunk,
-                           block_b=blk.batch, block_h=blk.kv_heads)
+    return blocks_.batched_config(_dims(avals), mask_itemsize)
 
 
 KERNEL = KernelSpec(run=attention, default_config=AttentionConfig.default,

@@ -44,6 +44,24 @@ class Body(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """The tuning knobs of the forward and backward kernels."""
+
+    body: Body
+    block_q: int | None  # query rows per block; None: all
+    block_k: int | None  # keys per block (pipelined) or per chunk (batched); None: all
+    block_b: int | None = None  # batched: batch entries per block; None: all
+    block_h: int | None = None  # batched: key/value heads per block; None: all
+    head_multiple: int = 1  # head dimensions padded to a multiple of this
+
+    @classmethod
+    def default(cls, backend: str) -> "AttentionConfig":
+        if backend == "interpret":
+            return cls(Body.BATCHED, None, None)
+        return cls(Body.PIPELINED, block_q=128, block_k=128, head_multiple=LANES)
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchedBlocks:
     """One block of the batched body: `batch` x `kv_heads` (with all their
     query heads) x `q_rows` query rows, keys taken `k_chunk` at a time."""
@@ -125,11 +143,12 @@ def precision(dtype):
 
 
 def dot(a, b, contract, batch_dims: int = 0):
-    """a and b contracted along axes `contract` = (a's, b's), sharing their
-    first `batch_dims` axes, accumulated in float32."""
+    """a and b contracted along axes `contract` = (a's, b's) (ints or
+    tuples), sharing their first `batch_dims` axes, accumulated in float32."""
     batch = tuple(range(batch_dims))
+    ca, cb = (c if isinstance(c, tuple) else (c,) for c in contract)
     return jax.lax.dot_general(
-        a, b, (((contract[0],), (contract[1],)), (batch, batch)),
+        a, b, ((ca, cb), (batch, batch)),
         precision=precision(a.dtype), preferred_element_type=jnp.float32)
 
 
@@ -162,6 +181,13 @@ def mask_block_index(mask_shape, b, h):
     0 along a broadcast (size 1) axis, so the mask is read in place."""
     bm, hm = mask_shape[:2]
     return (b if bm > 1 else 0), (h if hm > 1 else 0)
+
+
+def batched_config(dims, mask_itemsize: int) -> AttentionConfig:
+    """The batched body's config for these sizes (see batched_blocks)."""
+    blk = batched_blocks(dims, mask_itemsize=mask_itemsize)
+    return AttentionConfig(Body.BATCHED, block_q=blk.q_rows, block_k=blk.k_chunk,
+                           block_b=blk.batch, block_h=blk.kv_heads)
 
 
 def itemsize(dtype) -> int:

@@ -1,0 +1,404 @@
+"""Scaled dot-product attention, backward, on TPU: FlashAttention-2's
+backward pass (Dao, "FlashAttention-2: Faster Attention with Better
+Parallelism and Work Partitioning", 2023, Algorithm 2), recomputing the
+probabilities from the forward's logsumexp instead of storing them.
+
+The contract is kernels/attention_shapes.py's: delta = rowsum(do * o)
+(float32, computed once outside the kernels), then per (query block, key
+block) p = exp(s - lse), dv += pᵀ do, dp = do vᵀ, ds = p * (dp - delta),
+dq += scale * ds k, dk += scale * dsᵀ q. A row whose lse is +inf (it saw no
+key) has p = 0, hence zero gradients.
+
+Pipelined body (TPU, `tpu_interpret`): two kernels, each `pl.kernel` on the
+TensorCore mesh with `pltpu.emit_pipeline`, each owning what it writes so
+that the TensorCores never write the same block:
+
+- dk/dv: grid (B, Hkv, S/bk, G·L/bq). A key/value block stays in VMEM with
+  float32 accumulators while the query blocks of all G query heads that share
+  its key/value head stream past (the last axis, ARBITRARY): the GQA sum over
+  the group happens in the accumulator, never through memory.
+- dq: grid (B, Hq, L/bq, S/bk), a query block resident and the key blocks
+  streaming, as in the forward.
+
+Causal blocks that no query of the block can see are skipped in both (no
+compute; their index maps repeat a visible block, so nothing is fetched).
+The mask is read block by block, broadcast axes mapped to block 0; ragged L
+and S are padded once outside (padded keys masked inside, padded query rows
+given lse = +inf, hence p = 0).
+
+Batched body (`interpret`, the generic interpreter on CPU): whole (batch,
+kv-head) blocks with all their query heads; query blocks in sequence, keys in
+chunks when the scores would exceed the budget (attention_blocks.py), dq
+finished per query block, dk/dv accumulated in float32 across all of them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from torch_pallas.kernels.attention_shapes import attention_dims
+from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels.shapes import cdiv, round_up
+from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import attention_blocks as blocks_
+from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot, visible
+from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
+
+
+def _masked_scores(q, k, mask, *, scale, q_start, k_start, causal, kv_len, padded_kv_len,
+                   contract, batch_dims=0):
+    s = dot(q, k, contract, batch_dims) * scale
+    if mask is not None:
+        s = s + mask.astype(jnp.float32)
+    seen = visible(q_start, k_start, s.shape, causal=causal, kv_len=kv_len,
+                   padded_kv_len=padded_kv_len)
+    return s if seen is None else jnp.where(seen, s, -jnp.inf)
+
+
+# ---------------------------------------------------------------------------
+# Pipelined bodies (TPU)
+
+
+def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem, dv_vmem,
+                scale, causal, kv_len, group, block_q, block_k, num_cores):
+    """Inputs padded: q (B, Hq, Lp, Ep), k (B, Hkv, Sp, Ep), v (B, Hkv, Sp,
+    Evp), do (B, Hq, Lp, Evp), lse and delta (B, Hq, Lp, 1), optional mask
+    (Bm, Hm, Lp, Sp); outputs dk, dv like k, v; float32 accumulators."""
+    *ins, dk_hbm, dv_hbm = refs
+    mask_hbm = ins[0] if ins else None
+    batch, kv_heads, sp, e = k_hbm.shape
+    lp, ev = q_hbm.shape[2], v_hbm.shape[3]
+    bq, bk = block_q, block_k
+    nq = lp // bq
+    grid = (batch, kv_heads, sp // bk, group * nq)
+    k_offset = blocks_.split_offset(grid, 2, num_cores, parallel_dims=3)
+
+    def first_visible(j):  # the first query block with a row that sees key block j
+        return jnp.minimum((j * bk) // bq, nq - 1)
+
+    def q_block(j, t):
+        i = t % nq
+        return jnp.maximum(i, first_visible(j)) if causal else i
+
+    def q_index(b, h, j, t):
+        return (b, h * group + t // nq, q_block(j, t), 0)
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        mask_ref = rest[0] if mask_hbm is not None else None
+        dk_ref, dv_ref = rest[-2:]
+        j, t = pl.program_id(2) + k_offset, pl.program_id(3)
+        i = t % nq
+
+        @pl.when(t == 0)
+        def _():
+            dk_vmem[...] = jnp.zeros_like(dk_vmem)
+            dv_vmem[...] = jnp.zeros_like(dv_vmem)
+
+        def update():
+            q, do = q_ref[...], do_ref[...]
+            s = _masked_scores(q, k_ref[...], None if mask_ref is None else mask_ref[...],
+                               scale=scale, q_start=i * bq, k_start=j * bk, causal=causal,
+                               kv_len=kv_len, padded_kv_len=sp, contract=(1, 1))
+            p = jnp.exp(s - lse_ref[...])  # (bq, bk); 0 where lse is +inf
+            dv_vmem[...] += dot(p.astype(do.dtype), do, (0, 0))
+            dp = dot(do, v_ref[...], (1, 1))
+            ds = p * (dp - delta_ref[...])
+            dk_vmem[...] += scale * dot(ds.astype(q.dtype), q, (0, 0))
+
+        if causal:
+            pl.when(i * bq + bq - 1 >= j * bk)(update)
+        else:
+            update()
+
+        @pl.when(t == grid[3] - 1)
+        def _():
+            dk_ref[...] = dk_vmem[...].astype(dk_ref.dtype)
+            dv_ref[...] = dv_vmem[...].astype(dv_ref.dtype)
+
+    def row_spec(width):
+        return pl.BlockSpec((None, None, bq, width), q_index)
+
+    def kv_spec(width):
+        return pl.BlockSpec((None, None, bk, width), lambda b, h, j, t: (b, h, j, 0))
+
+    in_specs = [row_spec(e), kv_spec(e), kv_spec(ev), row_spec(ev), row_spec(1), row_spec(1)]
+    operands = [q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm]
+    if mask_hbm is not None:
+        def mask_index(b, h, j, t):
+            qh = h * group + t // nq
+            return (*blocks_.mask_block_index(mask_hbm.shape, b, qh), q_block(j, t), j)
+
+        in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
+        operands.append(mask_hbm)
+    pltpu.emit_pipeline(
+        body, grid=grid, in_specs=in_specs, out_specs=[kv_spec(e), kv_spec(ev)],
+        **pipeline_core_split(num_cores, parallel_dims=3),
+    )(*operands, dk_hbm, dv_hbm)
+
+
+def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, scale, causal,
+              kv_len, group, block_q, block_k, num_cores):
+    """Inputs as dkdv_kernel's; output dq like q; a float32 accumulator."""
+    *ins, dq_hbm = refs
+    mask_hbm = ins[0] if ins else None
+    batch, q_heads, lp, e = q_hbm.shape
+    sp, ev = k_hbm.shape[2], v_hbm.shape[3]
+    bq, bk = block_q, block_k
+    grid = (batch, q_heads, lp // bq, sp // bk)
+    q_offset = blocks_.split_offset(grid, 2, num_cores, parallel_dims=3)
+
+    def kv_block(i, j):  # a skipped causal block repeats the last visible one
+        return jnp.minimum(j, jnp.minimum((i * bq + bq - 1) // bk, grid[3] - 1)) if causal else j
+
+    def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
+        mask_ref = rest[0] if mask_hbm is not None else None
+        dq_ref = rest[-1]
+        i, j = pl.program_id(2) + q_offset, pl.program_id(3)
+
+        @pl.when(j == 0)
+        def _():
+            dq_vmem[...] = jnp.zeros_like(dq_vmem)
+
+        def update():
+            k = k_ref[...]
+            s = _masked_scores(q_ref[...], k, None if mask_ref is None else mask_ref[...],
+                               scale=scale, q_start=i * bq, k_start=j * bk, causal=causal,
+                               kv_len=kv_len, padded_kv_len=sp, contract=(1, 1))
+            p = jnp.exp(s - lse_ref[...])
+            dp = dot(do_ref[...], v_ref[...], (1, 1))
+            ds = p * (dp - delta_ref[...])
+            dq_vmem[...] += scale * dot(ds.astype(k.dtype), k, (1, 0))
+
+        if causal:
+            pl.when(j * bk <= i * bq + bq - 1)(update)
+        else:
+            update()
+
+        @pl.when(j == grid[3] - 1)
+        def _():
+            dq_ref[...] = dq_vmem[...].astype(dq_ref.dtype)
+
+    def row_spec(width):
+        return pl.BlockSpec((None, None, bq, width), lambda b, h, i, j: (b, h, i, 0))
+
+    def kv_spec(width):
+        return pl.BlockSpec((None, None, bk, width),
+                            lambda b, h, i, j: (b, h // group, kv_block(i, j), 0))
+
+    in_specs = [row_spec(e), kv_spec(e), kv_spec(ev), row_spec(ev), row_spec(1), row_spec(1)]
+    operands = [q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm]
+    if mask_hbm is not None:
+        def mask_index(b, h, i, j):
+            return (*blocks_.mask_block_index(mask_hbm.shape, b, h), i, kv_block(i, j))
+
+        in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
+        operands.append(mask_hbm)
+    pltpu.emit_pipeline(
+        body, grid=grid, in_specs=in_specs, out_specs=[row_spec(e)],
+        **pipeline_core_split(num_cores, parallel_dims=3),
+    )(*operands, dq_hbm)
+
+
+def pipelined_backward(q, k, v, do, lse, delta, mask, *, scale, causal, config, interpret,
+                       num_cores):
+    dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
+    b, hq, hkv = dims.batch, dims.q_heads, dims.kv_heads
+    bq = blocks_.pipelined_block(dims.q_len, config.block_q, blocks_.SUBLANES)
+    bk = blocks_.pipelined_block(dims.kv_len, config.block_k, blocks_.LANES)
+    # Each kernel splits its own parallel axes over the cores: one of them
+    # must divide among the cores (padding whole blocks where none does).
+    nq = blocks_.splittable_blocks(cdiv(dims.q_len, bq), b, hq, num_cores=num_cores)
+    nk = blocks_.splittable_blocks(cdiv(dims.kv_len, bk), b, hkv, num_cores=num_cores)
+    lp, sp = nq * bq, nk * bk
+    ep = round_up(dims.head_dim, config.head_multiple)
+    evp = round_up(dims.value_dim, config.head_multiple)
+    rows = (b, hq, lp)
+    operands = [
+        pad_to(q, (*rows, ep)), pad_to(k, (b, hkv, sp, ep)), pad_to(v, (b, hkv, sp, evp)),
+        pad_to(do, (*rows, evp)),
+        # Padded rows: lse +inf, so p = 0 there.
+        jnp.pad(lse, ((0, 0), (0, 0), (0, lp - dims.q_len)), constant_values=jnp.inf
+                ).reshape(*rows, 1),
+        pad_to(delta, rows).reshape(*rows, 1),
+    ]
+    if mask is not None:
+        operands.append(pad_to(mask, (*mask.shape[:2], lp, sp)))
+    static = dict(scale=scale, causal=causal, kv_len=dims.kv_len, group=dims.group,
+                  block_q=bq, block_k=bk, num_cores=num_cores)
+    mesh = tensorcore_mesh(num_cores)
+    dk, dv = pl.kernel(
+        functools.partial(dkdv_kernel, **static),
+        out_type=(jax.ShapeDtypeStruct((b, hkv, sp, ep), q.dtype),
+                  jax.ShapeDtypeStruct((b, hkv, sp, evp), q.dtype)),
+        mesh=mesh,
+        scratch_types=dict(dk_vmem=pltpu.VMEM((bk, ep), jnp.float32),
+                           dv_vmem=pltpu.VMEM((bk, evp), jnp.float32)),
+        interpret=interpret,
+    )(*operands)
+    dq = pl.kernel(
+        functools.partial(dq_kernel, **static),
+        out_type=jax.ShapeDtypeStruct((*rows, ep), q.dtype),
+        mesh=mesh,
+        scratch_types=dict(dq_vmem=pltpu.VMEM((bq, ep), jnp.float32)),
+        interpret=interpret,
+    )(*operands)
+    return (dq[:, :, :dims.q_len, :dims.head_dim], dk[:, :, :dims.kv_len, :dims.head_dim],
+            dv[:, :, :dims.kv_len, :dims.value_dim])
+
+
+# ---------------------------------------------------------------------------
+# Batched body (generic interpreter, CPU)
+
+
+def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, blocks, scale,
+                   causal, kv_len):
+    """q and do (B, Hkv, G, Lp, E / Ev), k and v (B, Hkv, Sp, E / Ev), lse and
+    delta (B, Hkv, G, Lp), an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp);
+    outputs dq like q, dk and dv like k and v."""
+    *ins, dq_hbm, dk_hbm, dv_hbm = refs
+    mask_hbm = ins[0] if ins else None
+    batch, kv_heads, _, lp, _ = q_hbm.shape
+    sp = k_hbm.shape[2]
+    bb, bh, bq, ck = blocks
+    nq, nk = lp // bq, sp // ck
+
+    def one_block(bi, hi):
+        heads = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh))
+
+        def grads(qi, c0, n, q, do, lse, delta):
+            """(dq, dk, dv) of query block qi against keys c0 .. c0 + n."""
+            kv = (*heads, pl.ds(c0, n))
+            k, v = k_hbm[kv].astype(jnp.float32), v_hbm[kv].astype(jnp.float32)
+            mask = None
+            if mask_hbm is not None:
+                mb = heads[0] if mask_hbm.shape[0] > 1 else slice(None)
+                mh = heads[1] if mask_hbm.shape[1] > 1 else slice(None)
+                mask = mask_hbm[mb, mh, :, pl.ds(qi * bq, bq), pl.ds(c0, n)]
+            s = _masked_scores(q, k, mask, scale=scale, q_start=qi * bq, k_start=c0,
+                               causal=causal, kv_len=kv_len, padded_kv_len=sp,
+                               contract=(4, 3), batch_dims=2)  # (bb, bh, G, bq, n)
+            p = jnp.exp(s - lse[..., None])
+            dv = dot(p, do, ((2, 3), (2, 3)), batch_dims=2)  # summed over the group
+            ds = p * (dot(do, v, (4, 3), batch_dims=2) - delta[..., None])
+            dq = scale * dot(ds, k, (4, 2), batch_dims=2)
+            dk = scale * dot(ds, q, ((2, 3), (2, 3)), batch_dims=2)
+            return dq, dk, dv
+
+        def query_block(qi, dk_dv):
+            rows = (*heads, slice(None), pl.ds(qi * bq, bq))
+            q, do = q_hbm[rows].astype(jnp.float32), do_hbm[rows].astype(jnp.float32)
+            lse, delta = lse_hbm[rows], delta_hbm[rows]
+            if nk == 1:
+                dq, dk, dv = grads(qi, 0, sp, q, do, lse, delta)
+                dq_hbm[rows] = dq.astype(dq_hbm.dtype)
+                return dk_dv[0] + dk, dk_dv[1] + dv
+
+            def chunk(c, carry):
+                dq, dk_all, dv_all = carry
+                c0 = pl.multiple_of(c * ck, 8)
+                dq_c, dk_c, dv_c = grads(qi, c0, ck, q, do, lse, delta)
+
+                def add(total, part):
+                    start = (0, 0, c0, 0)
+                    old = jax.lax.dynamic_slice(total, start, part.shape)
+                    return jax.lax.dynamic_update_slice(total, old + part, start)
+
+                return dq + dq_c, add(dk_all, dk_c), add(dv_all, dv_c)
+
+            chunks = nk
+            if causal:  # the chunks holding a key some row of the block sees
+                chunks = jnp.minimum(nk, (qi * bq + bq + ck - 1) // ck)
+            dq, dk, dv = jax.lax.fori_loop(0, chunks, chunk,
+                                           (jnp.zeros(q.shape, jnp.float32), *dk_dv))
+            dq_hbm[rows] = dq.astype(dq_hbm.dtype)
+            return dk, dv
+
+        zeros = (jnp.zeros((bb, bh, sp, k_hbm.shape[-1]), jnp.float32),
+                 jnp.zeros((bb, bh, sp, v_hbm.shape[-1]), jnp.float32))
+        if nq == 1:
+            dk, dv = query_block(0, zeros)
+        else:
+            dk, dv = jax.lax.fori_loop(0, nq, query_block, zeros)
+        dk_hbm[heads] = dk.astype(dk_hbm.dtype)
+        dv_hbm[heads] = dv.astype(dv_hbm.dtype)
+
+    steps = (batch // bb) * (kv_heads // bh)
+    if steps == 1:
+        one_block(0, 0)
+        return
+
+    @pl.loop(0, steps)
+    def _(t):
+        one_block(t // (kv_heads // bh), t % (kv_heads // bh))
+
+
+def batched_backward(q, k, v, do, lse, delta, mask, *, scale, causal, config, interpret,
+                     num_cores):
+    if num_cores != 1:
+        raise ValueError(f"attention_backward: the batched body runs on one core, not "
+                         f"{num_cores=} (it is the generic interpreter's; use Body.PIPELINED)")
+    dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
+    b, hq, hkv, g = dims.batch, dims.q_heads, dims.kv_heads, dims.group
+    bb, bh = config.block_b or b, config.block_h or hkv
+    bq, ck = config.block_q or dims.q_len, config.block_k or dims.kv_len
+    if b % bb or hkv % bh:
+        raise ValueError(f"attention_backward: {config.block_b=} and {config.block_h=} must "
+                         f"divide the batch {b} and the key/value heads {hkv}")
+    lp, sp = round_up(dims.q_len, bq), round_up(dims.kv_len, ck)
+    e, ev = dims.head_dim, dims.value_dim
+
+    def grouped(x, width=None):
+        shape = (b, hq, lp) if width is None else (b, hq, lp, width)
+        return blocks_.as_groups(pad_to(x, shape), hkv)
+
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, lp - dims.q_len)), constant_values=jnp.inf)
+    operands = [grouped(q, e), pad_to(k, (b, hkv, sp, e)), pad_to(v, (b, hkv, sp, ev)),
+                grouped(do, ev), blocks_.as_groups(lse, hkv), grouped(delta)]
+    if mask is not None:
+        operands.append(blocks_.mask_groups(pad_to(mask, (*mask.shape[:2], lp, sp)), hkv))
+    dq, dk, dv = pl.kernel(
+        functools.partial(batched_kernel, blocks=(bb, bh, bq, ck), scale=scale, causal=causal,
+                          kv_len=dims.kv_len),
+        out_type=(jax.ShapeDtypeStruct((b, hkv, g, lp, e), q.dtype),
+                  jax.ShapeDtypeStruct((b, hkv, sp, e), q.dtype),
+                  jax.ShapeDtypeStruct((b, hkv, sp, ev), q.dtype)),
+        mesh=tensorcore_mesh(num_cores),
+        interpret=interpret,
+    )(*operands)
+    return (dq.reshape(b, hq, lp, e)[:, :, :dims.q_len], dk[:, :, :dims.kv_len],
+            dv[:, :, :dims.kv_len])
+
+
+# ---------------------------------------------------------------------------
+# Entry point
+
+
+def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: bool,
+                       config: AttentionConfig, interpret, num_cores: int):
+    """(dq, dk, dv) of the forward's o = attention(q, k, v, mask) given do,
+    per kernels/attention_shapes.py; `o` and `lse` are what the forward
+    returned."""
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    run = batched_backward if config.body is Body.BATCHED else pipelined_backward
+    return run(q, k, v, do, lse.astype(jnp.float32), delta, mask, scale=float(scale),
+               causal=bool(causal), config=config, interpret=interpret, num_cores=num_cores)
+
+
+def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
+    """On `interpret`, the biggest batched blocks whose scores fit the budget
+    (attention_blocks.batched_blocks); TPU blocks elsewhere."""
+    if backend != "interpret":
+        return AttentionConfig.default(backend)
+    shapes = [shape for shape, _ in avals]
+    mask = len(avals) > 6
+    dims = attention_dims(*shapes[:3], shapes[6] if mask else None)
+    return blocks_.batched_config(dims, blocks_.itemsize(avals[6][1]) if mask else 0)
+
+
+KERNEL = KernelSpec(run=attention_backward, default_config=AttentionConfig.default,
+                    select_config=select_config)

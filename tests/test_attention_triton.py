@@ -18,8 +18,10 @@ import torch
 from attention_reference import Case, bound, make_case, reference, run_kernel, torch_error
 from helpers import assert_within
 from torch_pallas.kernels.triton import attention as forward_kernel
+from torch_pallas.kernels.triton import attention_backward as backward_kernel
 
 FORWARD = "torch_pallas.kernels.triton.attention"
+BACKWARD = "torch_pallas.kernels.triton.attention_backward"
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -111,17 +113,83 @@ def test_forward_float32_mask_on_16_bit_q_is_read_as_float32():
     check_forward(case, o, lse)
 
 
+def random_do(case) -> torch.Tensor:
+    return torch.randn(case.q.shape[:-1] + case.v.shape[-1:]).to(case.q.dtype)
+
+
+def check_backward(case, do, grads):
+    ref, errors = torch_error(case, do)
+    for name, grad, expected, torch_err, like in zip(
+            ("dq", "dk", "dv"), grads, ref[2], errors[1:], (case.q, case.k, case.v)):
+        assert grad.dtype == like.dtype and grad.shape == like.shape, name
+        assert_within(grad, expected, bound(torch_err, case.q.dtype),
+                      f"attention backward (triton) {case.q.dtype}: {name}")
+
+
+def run_backward(case, do, config=None):
+    """The forward's o and lse, then the backward kernel on them."""
+    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=case.causal)
+    inputs = (case.q, case.k, case.v, o, do, lse) + (() if case.mask is None else (case.mask,))
+    if config is None:
+        return run_kernel(BACKWARD, "triton", inputs, scale=case.scale, causal=case.causal)
+    return backward_kernel.attention_backward(*inputs, scale=case.scale, causal=case.causal,
+                                              config=config)
+
+
+@pytest.mark.parametrize("kwargs", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_backward_matches_float64(kwargs):
+    case = make_case(**kwargs)
+    do = random_do(case)
+    check_backward(case, do, run_backward(case, do))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_walks_many_blocks(causal):
+    """Seven query blocks per key block (times G = 2 heads) and seven key
+    blocks per query block; causal blocks start or stop at the diagonal."""
+    case = make_case(b=1, hq=2, hkv=1, l=100, s=90, e=32, causal=causal, mask="heads",
+                     dtype=F16, mask_dtype=F32)
+    do = random_do(case)
+    config = backward_kernel.AttentionBackwardConfig(autotune=False, block_m=16, block_n=16)
+    check_backward(case, do, run_backward(case, do, config))
+
+
+def test_backward_reads_any_layout_in_place():
+    """Transposed q, k, v, o, do, a stride-0 mask and a strided lse."""
+    b, hq, hkv, l, s, e = 2, 4, 2, 21, 30, 40
+    q = torch.randn(b, l, hq, e).transpose(1, 2)
+    k = torch.randn(b, s, hkv, e).transpose(1, 2)
+    v = torch.randn(b, s, hkv, e + 8)[..., :e].transpose(1, 2)
+    mask = torch.randn(l, s).masked_fill(torch.rand(l, s) < 0.3, float("-inf")).expand(b, hq, l, s)
+    case = Case(q, k, v, mask, causal=False, scale=0.37)
+    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=False)
+    o = o.transpose(1, 2).contiguous().transpose(1, 2)
+    lse = torch.stack([lse, lse], dim=-1)[..., 0]  # stride 2 along L
+    do = torch.randn(b, l, hq, e).transpose(1, 2)
+    grads = run_kernel(BACKWARD, "triton", (q, k, v, o, do, lse, mask), scale=case.scale,
+                       causal=False)
+    check_backward(case, do, grads)
+
+
 def test_wrap_triton_runs_the_same_kernels():
     """Each kernel object is one torch.library.wrap_triton accepts: launched
     through torch's wrapper (eagerly, as outside a trace) they give the
-    launcher's results bit for bit."""
+    launchers' results bit for bit."""
     case = make_case(l=20, s=27, e=40, ev=24, mask="heads", causal=True, dtype=F16)
-    config = forward_kernel.AttentionConfig.default("triton")
-    direct = forward_kernel.attention(*case.inputs, scale=case.scale, causal=True, config=config)
-    wrapped = forward_kernel.attention(*case.inputs, scale=case.scale, causal=True, config=config,
-                                       wrap=torch.library.wrap_triton)
-    for a, b in zip(direct, wrapped):
-        assert torch.equal(a, b)
+    do = random_do(case)
+    forward_config = forward_kernel.AttentionConfig.default("triton")
+    backward_config = backward_kernel.AttentionBackwardConfig.default("triton")
+    results = []
+    for wrap in (backward_kernel.direct, torch.library.wrap_triton):
+        o, lse = forward_kernel.attention(*case.inputs, scale=case.scale, causal=True,
+                                          config=forward_config, wrap=wrap)
+        grads = backward_kernel.attention_backward(
+            case.q, case.k, case.v, o, do, lse, case.mask, scale=case.scale, causal=True,
+            config=backward_config, wrap=wrap)
+        results.append((o, lse, *grads))
+    for direct, wrapped in zip(*results):
+        assert torch.equal(direct, wrapped)
+    check_forward(case, *results[0][:2])
 
 
 # Traces the launchers on fake CUDA tensors (no GPU needed; Triton compiled,
@@ -133,7 +201,7 @@ TRACE = textwrap.dedent(
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
-    from torch_pallas.kernels.triton import attention as fwd
+    from torch_pallas.kernels.triton import attention as fwd, attention_backward as bwd
 
     def name(kernel):
         while not hasattr(kernel, "__name__"):
@@ -141,16 +209,20 @@ TRACE = textwrap.dedent(
         return kernel.__name__
 
     for autotune in (False, True):
-        def f(q, k, v, mask):
-            return fwd.attention(q, k, v, mask, scale=0.3, causal=True,
-                                 config=fwd.AttentionConfig(autotune=autotune),
-                                 wrap=torch.library.wrap_triton)
+        def f(q, k, v, mask, do):
+            wrap = torch.library.wrap_triton
+            o, lse = fwd.attention(q, k, v, mask, scale=0.3, causal=True,
+                                   config=fwd.AttentionConfig(autotune=autotune), wrap=wrap)
+            return bwd.attention_backward(
+                q, k, v, o, do, lse, mask, scale=0.3, causal=True,
+                config=bwd.AttentionBackwardConfig(autotune=autotune), wrap=wrap)
         with FakeTensorMode():
             q = torch.randn(2, 4, 37, 40, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(2, 2, 45, 40, device="cuda", dtype=torch.bfloat16)
             v = torch.randn(2, 2, 45, 24, device="cuda", dtype=torch.bfloat16)
             mask = torch.randn(1, 4, 37, 45, device="cuda")
-            gm = make_fx(torch.func.functionalize(f))(q, k, v, mask)
+            do = torch.randn(2, 4, 37, 24, device="cuda", dtype=torch.bfloat16)
+            gm = make_fx(torch.func.functionalize(f))(q, k, v, mask, do)
         print("GRAPH", autotune, gm.code.count("triton_kernel_wrapper_functional("),
               "aten.empty" in gm.code,
               sum(n.op == "call_function" and "empty" not in str(n.target)
@@ -169,7 +241,13 @@ def test_launches_trace_into_triton_kernels_on_cuda_tensors():
     out = subprocess.run([sys.executable, "-c", TRACE], env=env, check=True,
                          capture_output=True, text=True).stdout
     graphs = [line.split()[1:] for line in out.splitlines() if line.startswith("GRAPH")]
-    # One kernel per launch, nothing but allocations beside it.
-    assert graphs == [["False", "1", "True", "0"], ["True", "1", "True", "0"]], out
+    # One kernel per launch (forward; delta, dk/dv, dq), nothing but
+    # allocations beside them.
+    assert graphs == [["False", "4", "True", "0"], ["True", "4", "True", "0"]], out
     kernels = next(line.split()[1:] for line in out.splitlines() if line.startswith("KERNELS"))
-    assert kernels == ["attention_kernel:Autotuner", "attention_kernel:JITFunction"], out
+    assert kernels == [
+        "attention_delta_kernel:JITFunction",
+        "attention_dkdv_kernel:Autotuner", "attention_dkdv_kernel:JITFunction",
+        "attention_dq_kernel:Autotuner", "attention_dq_kernel:JITFunction",
+        "attention_kernel:Autotuner", "attention_kernel:JITFunction",
+    ], out

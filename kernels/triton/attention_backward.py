@@ -1,0 +1,388 @@
+"""Attention backward in Triton (FlashAttention-2): dq, dk, dv of
+o = softmax(scale * q kᵀ + mask) v from q, k, v, o, do and the forward's
+lse, recomputing the probabilities block by block, so no (L, S) tensor is
+ever in memory. The contract is kernels/attention_shapes.py.
+
+Dao, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+Partitioning" (2023), Algorithm 2, in three launches:
+
+1. `attention_delta_kernel`: delta = rowsum(do * o) in float32, per query
+   row (the softmax Jacobian's correction term).
+2. `attention_dkdv_kernel`, program (key block, batch * kv head): keeps its
+   BLOCK_N keys and values and their dk, dv accumulators, and walks the
+   query blocks of each of the G query heads that read this kv head (GQA),
+   so dk and dv are summed over the group in registers, without atomics:
+
+       pᵀ = exp(sᵀ - lse),  dv += pᵀ do,  dpᵀ = v doᵀ,
+       dsᵀ = pᵀ (dpᵀ - delta),  dk += dsᵀ q           (dk scaled at the end)
+
+   Causal: only queries i >= the block's first key are walked.
+3. `attention_dq_kernel`, program (query block, batch * query head): walks
+   the key blocks (up to the diagonal when causal), dq += ds k, scaled at the
+   end.
+
+Scores are kept in log2 units (times log2 e) for exp2, as in the forward.
+A row the forward found empty has lse = +inf, so its p is 0 everywhere.
+The probabilities and ds are rounded to the operands' dtype before their
+products, as FlashAttention does; under Triton's CPU interpreter bfloat16
+operands are upcast to float32 and those roundings done to nearest even by
+bit arithmetic (kernels/triton/attention.py), and the gradients are written
+in float32 and rounded by torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from torch_pallas.kernels.attention_shapes import MAX_HEAD_DIM, attention_dims
+from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.triton import direct, interpreter_safe_dtype, interpreting
+from torch_pallas.kernels.triton.attention import (
+    LOG2E,
+    SUPPORTED_DTYPES,
+    broadcast_stride,
+    head_block,
+    length_bucket,
+    round_to_bfloat16,
+    unsupported,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackwardConfig:
+    """Tuning knobs of the backward kernels (dk/dv and dq share them when
+    not autotuning)."""
+
+    autotune: bool  # True: pick among the AUTOTUNE_CONFIGS per (E, Ev, L, S, causal)
+    block_m: int = 32  # query rows per step (dk/dv) or per program (dq)
+    block_n: int = 32  # keys per program (dk/dv) or per step (dq)
+    num_warps: int = 4
+    num_stages: int = 2
+    # Elements of o and do one program of the delta kernel reads.
+    delta_block: int = 8192
+    precision: str = "ieee"  # tl.dot's float32 precision: "ieee" or "tf32"
+
+    @classmethod
+    def default(cls, backend: str) -> "AttentionBackwardConfig":
+        # No autotuning in the CPU interpreter (minutes of timing).
+        return cls(autotune=not interpreting())
+
+
+def _configs(shapes):
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+            for m, n, w, st in shapes]
+
+
+# The autotuner skips configs that do not fit a GPU's shared memory; the
+# small ones fit every head dimension up to 256 in float32.
+DKDV_AUTOTUNE_CONFIGS = _configs([
+    # (BLOCK_M: query step, BLOCK_N: keys held per program)
+    (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2),
+    (16, 64, 4, 2), (16, 32, 4, 2), (16, 16, 2, 1),
+])
+DQ_AUTOTUNE_CONFIGS = _configs([
+    # (BLOCK_M: query rows per program, BLOCK_N: key step)
+    (128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2),
+    (64, 16, 4, 2), (32, 16, 4, 2), (16, 16, 2, 1),
+])
+AUTOTUNE_KEY = ["BLOCK_E", "BLOCK_EV", "L_BUCKET", "S_BUCKET", "CAUSAL", "HAS_MASK"]
+
+
+@triton.jit
+def attention_delta_kernel(
+    o_ptr, do_ptr, delta_ptr,
+    stride_ob, stride_oh, stride_ol, stride_oe,
+    stride_db, stride_dh, stride_dl, stride_de,
+    Hq, L, Ev,
+    BLOCK_M: tl.constexpr, BLOCK_EV: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = (bh % Hq).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    ok = (offs_m[:, None] < L) & (offs_ev[None, :] < Ev)
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh
+                + offs_m[:, None] * stride_ol + offs_ev[None, :] * stride_oe, mask=ok, other=0.0)
+    do = tl.load(do_ptr + b * stride_db + h * stride_dh
+                 + offs_m[:, None] * stride_dl + offs_ev[None, :] * stride_de, mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + bh.to(tl.int64) * L + offs_m, delta, mask=offs_m < L)  # (B, Hq, L) contiguous
+
+
+@triton.jit
+def attention_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qe,
+    stride_kb, stride_kh, stride_ks, stride_ke,
+    stride_vb, stride_vh, stride_vs, stride_ve,
+    stride_mb, stride_mh, stride_ml, stride_ms,
+    stride_db, stride_dh, stride_dl, stride_de,
+    stride_lb, stride_lh, stride_ll,
+    stride_dkb, stride_dkh, stride_dks, stride_dke,
+    stride_dvb, stride_dvh, stride_dvs, stride_dve,
+    Hkv, L, S, E, Ev, GROUP, scale, L_BUCKET, S_BUCKET,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hkv).to(tl.int64)
+    hkv = (bh % Hkv).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    key_ok = offs_n < S
+
+    k = tl.load(k_ptr + b * stride_kb + hkv * stride_kh
+                + offs_n[:, None] * stride_ks + offs_e[None, :] * stride_ke,
+                mask=key_ok[:, None] & (offs_e[None, :] < E), other=0.0)
+    v = tl.load(v_ptr + b * stride_vb + hkv * stride_vh
+                + offs_n[:, None] * stride_vs + offs_ev[None, :] * stride_ve,
+                mask=key_ok[:, None] & (offs_ev[None, :] < Ev), other=0.0)
+    if UPCAST:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    qk_scale = scale * LOG2E
+    dk = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_EV), dtype=tl.float32)
+
+    lo = 0
+    if CAUSAL:  # queries before the block's first key see none of its keys
+        lo = n0
+    for g in range(0, GROUP):
+        h = hkv * GROUP + g  # the query heads that read this kv head
+        # qᵀ (BLOCK_E, BLOCK_M), do (BLOCK_M, BLOCK_EV), maskᵀ (BLOCK_N, BLOCK_M).
+        qt_ptrs = (q_ptr + b * stride_qb + h * stride_qh
+                   + (lo + offs_m)[None, :] * stride_ql + offs_e[:, None] * stride_qe)
+        do_ptrs = (do_ptr + b * stride_db + h * stride_dh
+                   + (lo + offs_m)[:, None] * stride_dl + offs_ev[None, :] * stride_de)
+        if HAS_MASK:
+            mask_ptrs = (mask_ptr + b * stride_mb + h * stride_mh
+                         + offs_n[:, None] * stride_ms + (lo + offs_m)[None, :] * stride_ml)
+        lse_ptrs = lse_ptr + b * stride_lb + h * stride_lh + (lo + offs_m) * stride_ll
+        delta_ptrs = delta_ptr + (b * Hkv * GROUP + h) * L + lo + offs_m
+        for start_m in range(lo, L, BLOCK_M):
+            rows = start_m + offs_m
+            row_ok = rows < L
+            qt = tl.load(qt_ptrs, mask=(offs_e[:, None] < E) & row_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None] & (offs_ev[None, :] < Ev), other=0.0)
+            lse = tl.load(lse_ptrs, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
+            if UPCAST:
+                qt, do = qt.to(tl.float32), do.to(tl.float32)
+            st = tl.dot(k, qt, input_precision=INPUT_PRECISION) * qk_scale
+            if HAS_MASK:
+                add = tl.load(mask_ptrs, mask=key_ok[:, None] & row_ok[None, :], other=0.0)
+                st += add.to(tl.float32) * LOG2E
+            visible = key_ok[:, None] & row_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= rows[None, :])
+            # lse = +inf on empty and padding rows: p = exp2(-inf) = 0 there.
+            pt = tl.where(visible, tl.exp2(st - lse[None, :] * LOG2E), 0.0)
+            dpt = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+            dst = pt * (dpt - delta[None, :])
+            if UPCAST:
+                dv = tl.dot(round_to_bfloat16(pt), do, dv, input_precision=INPUT_PRECISION)
+                dk = tl.dot(round_to_bfloat16(dst), tl.trans(qt), dk,
+                            input_precision=INPUT_PRECISION)
+            else:
+                dv = tl.dot(pt.to(do_ptr.dtype.element_ty), do, dv, input_precision=INPUT_PRECISION)
+                dk = tl.dot(dst.to(q_ptr.dtype.element_ty), tl.trans(qt), dk,
+                            input_precision=INPUT_PRECISION)
+            qt_ptrs += BLOCK_M * stride_ql
+            do_ptrs += BLOCK_M * stride_dl
+            lse_ptrs += BLOCK_M * stride_ll
+            delta_ptrs += BLOCK_M
+            if HAS_MASK:
+                mask_ptrs += BLOCK_M * stride_ml
+
+    dk *= scale
+    tl.store(dk_ptr + b * stride_dkb + hkv * stride_dkh
+             + offs_n[:, None] * stride_dks + offs_e[None, :] * stride_dke,
+             dk.to(dk_ptr.dtype.element_ty), mask=key_ok[:, None] & (offs_e[None, :] < E))
+    tl.store(dv_ptr + b * stride_dvb + hkv * stride_dvh
+             + offs_n[:, None] * stride_dvs + offs_ev[None, :] * stride_dve,
+             dv.to(dv_ptr.dtype.element_ty), mask=key_ok[:, None] & (offs_ev[None, :] < Ev))
+
+
+@triton.jit
+def attention_dq_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    stride_qb, stride_qh, stride_ql, stride_qe,
+    stride_kb, stride_kh, stride_ks, stride_ke,
+    stride_vb, stride_vh, stride_vs, stride_ve,
+    stride_mb, stride_mh, stride_ml, stride_ms,
+    stride_db, stride_dh, stride_dl, stride_de,
+    stride_lb, stride_lh, stride_ll,
+    stride_dqb, stride_dqh, stride_dql, stride_dqe,
+    Hq, L, S, E, Ev, GROUP, scale, L_BUCKET, S_BUCKET,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // Hq).to(tl.int64)
+    h = (bh % Hq).to(tl.int64)
+    hkv = h // GROUP
+    m0 = pid_m * BLOCK_M
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_ev = tl.arange(0, BLOCK_EV)
+    row_ok = offs_m < L
+
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh
+                + offs_m[:, None] * stride_ql + offs_e[None, :] * stride_qe,
+                mask=row_ok[:, None] & (offs_e[None, :] < E), other=0.0)
+    do = tl.load(do_ptr + b * stride_db + h * stride_dh
+                 + offs_m[:, None] * stride_dl + offs_ev[None, :] * stride_de,
+                 mask=row_ok[:, None] & (offs_ev[None, :] < Ev), other=0.0)
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ll,
+                  mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + bh.to(tl.int64) * L + offs_m, mask=row_ok, other=0.0)
+    if UPCAST:
+        q, do = q.to(tl.float32), do.to(tl.float32)
+    qk_scale = scale * LOG2E
+    lse2 = lse * LOG2E
+    dq = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
+
+    # kᵀ (BLOCK_E, BLOCK_N), vᵀ (BLOCK_EV, BLOCK_N), mask (BLOCK_M, BLOCK_N).
+    kt_ptrs = (k_ptr + b * stride_kb + hkv * stride_kh
+               + offs_n[None, :] * stride_ks + offs_e[:, None] * stride_ke)
+    vt_ptrs = (v_ptr + b * stride_vb + hkv * stride_vh
+               + offs_n[None, :] * stride_vs + offs_ev[:, None] * stride_ve)
+    if HAS_MASK:
+        mask_ptrs = (mask_ptr + b * stride_mb + h * stride_mh
+                     + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms)
+    hi = S
+    if CAUSAL:
+        hi = tl.minimum(S, m0 + BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        cols = start_n + offs_n
+        key_ok = cols < S
+        kt = tl.load(kt_ptrs, mask=(offs_e[:, None] < E) & key_ok[None, :], other=0.0)
+        vt = tl.load(vt_ptrs, mask=(offs_ev[:, None] < Ev) & key_ok[None, :], other=0.0)
+        if UPCAST:
+            kt, vt = kt.to(tl.float32), vt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
+        if HAS_MASK:
+            add = tl.load(mask_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0.0)
+            s += add.to(tl.float32) * LOG2E
+        visible = row_ok[:, None] & key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None])
+        p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, vt, input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if UPCAST:
+            dq = tl.dot(round_to_bfloat16(ds), tl.trans(kt), dq, input_precision=INPUT_PRECISION)
+        else:
+            dq = tl.dot(ds.to(k_ptr.dtype.element_ty), tl.trans(kt), dq,
+                        input_precision=INPUT_PRECISION)
+        kt_ptrs += BLOCK_N * stride_ks
+        vt_ptrs += BLOCK_N * stride_vs
+        if HAS_MASK:
+            mask_ptrs += BLOCK_N * stride_ms
+
+    dq *= scale
+    tl.store(dq_ptr + b * stride_dqb + h * stride_dqh
+             + offs_m[:, None] * stride_dql + offs_e[None, :] * stride_dqe,
+             dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_e[None, :] < E))
+
+
+attention_dkdv_kernel_autotuned = triton.autotune(
+    configs=DKDV_AUTOTUNE_CONFIGS, key=AUTOTUNE_KEY)(attention_dkdv_kernel)
+attention_dq_kernel_autotuned = triton.autotune(
+    configs=DQ_AUTOTUNE_CONFIGS, key=AUTOTUNE_KEY)(attention_dq_kernel)
+
+
+def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: bool,
+                       config: AttentionBackwardConfig, wrap=direct):
+    """(dq, dk, dv) of the canonical attention call (kernels/attention_shapes.py)
+    for torch tensors in any layout, in q's dtype; dk and dv summed over the
+    query heads of each kv head."""
+    dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
+    name = "attention backward (triton)"
+    if (not (q.dtype == k.dtype == v.dtype == o.dtype == do.dtype)
+            or str(q.dtype).removeprefix("torch.") not in SUPPORTED_DTYPES):
+        raise ValueError(f"{name}: q, k, v, o, do must share one dtype of {SUPPORTED_DTYPES}, "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}, {do.dtype}")
+    b, hq, hkv, l, s = dims.batch, dims.q_heads, dims.kv_heads, dims.q_len, dims.kv_len
+    e, ev = dims.head_dim, dims.value_dim
+    if tuple(o.shape) != (b, hq, l, ev) or tuple(do.shape) != (b, hq, l, ev):
+        raise ValueError(f"{name}: o {tuple(o.shape)} and do {tuple(do.shape)} must be "
+                         f"{(b, hq, l, ev)}")
+    if tuple(lse.shape) != (b, hq, l) or lse.dtype != torch.float32:
+        raise ValueError(f"{name}: lse {tuple(lse.shape)} {lse.dtype} must be {(b, hq, l)} float32")
+    if max(e, ev) > MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head dims E={e}, Ev={ev} exceed {MAX_HEAD_DIM}")
+    if mask is not None and mask.dtype not in (torch.float32, q.dtype):
+        raise ValueError(f"{name}: mask dtype {mask.dtype} is neither float32 nor q's {q.dtype}")
+
+    out_dtype = interpreter_safe_dtype(q.dtype)
+    delta = torch.empty((b, hq, l), dtype=torch.float32, device=q.device)
+    dq = torch.empty((b, hq, l, e), dtype=out_dtype, device=q.device)
+    dk = torch.empty((b, hkv, s, e), dtype=out_dtype, device=q.device)
+    dv = torch.empty((b, hkv, s, ev), dtype=out_dtype, device=q.device)
+
+    block_e, block_ev = head_block(e), head_block(ev)
+    delta_rows = min(128, max(16, config.delta_block // block_ev))
+    wrap(attention_delta_kernel)[(triton.cdiv(l, delta_rows), b * hq)](
+        o, do, delta, *o.stride(), *do.stride(), hq, l, ev,
+        BLOCK_M=delta_rows, BLOCK_EV=block_ev,
+    )
+
+    if mask is None:
+        mask_arg, mask_strides = q, (0, 0, 0, 0)  # never read (HAS_MASK=False)
+    else:
+        mask_arg = mask
+        mask_strides = (broadcast_stride(mask, 0), broadcast_stride(mask, 1),
+                        mask.stride(2), mask.stride(3))
+    operand_strides = (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *do.stride(),
+                       *lse.stride())
+    sizes = (l, s, e, ev, dims.group, float(scale), length_bucket(l), length_bucket(s))
+    meta = dict(
+        HAS_MASK=mask is not None, CAUSAL=bool(causal), BLOCK_E=block_e, BLOCK_EV=block_ev,
+        UPCAST=out_dtype != q.dtype, INPUT_PRECISION=config.precision,
+    )
+    fixed = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                 num_warps=config.num_warps, num_stages=config.num_stages)
+
+    def dkdv_grid(meta):
+        return (triton.cdiv(s, meta["BLOCK_N"]), b * hkv)
+
+    dkdv_args = (q, k, v, mask_arg, do, lse, delta, dk, dv, *operand_strides,
+                 *dk.stride(), *dv.stride(), hkv, *sizes)
+    if config.autotune:
+        wrap(attention_dkdv_kernel_autotuned)[dkdv_grid](*dkdv_args, **meta)
+    else:
+        wrap(attention_dkdv_kernel)[dkdv_grid](*dkdv_args, **meta, **fixed)
+
+    def dq_grid(meta):
+        return (triton.cdiv(l, meta["BLOCK_M"]), b * hq)
+
+    dq_args = (q, k, v, mask_arg, do, lse, delta, dq, *operand_strides, *dq.stride(), hq, *sizes)
+    if config.autotune:
+        wrap(attention_dq_kernel_autotuned)[dq_grid](*dq_args, **meta)
+    else:
+        wrap(attention_dq_kernel)[dq_grid](*dq_args, **meta, **fixed)
+
+    if out_dtype != q.dtype:
+        dq, dk, dv = dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)
+    return dq, dk, dv
+
+
+KERNEL = KernelSpec(run=attention_backward, default_config=AttentionBackwardConfig.default,
+                    unsupported=unsupported)

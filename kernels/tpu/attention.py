@@ -40,7 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.attention_shapes import attention_dims
 from torch_pallas.kernels.padding import pad_to
-from torch_pallas.kernels.shapes import cdiv, round_up
+from torch_pallas.kernels.shapes import round_up
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import attention_blocks as blocks_
 from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot, visible
@@ -62,7 +62,6 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
     sp = k_hbm.shape[2]
     bq, bk = acc_vmem.shape[0], block_k
     grid = (batch, q_heads, lp // bq, sp // bk)
-    q_offset = blocks_.split_offset(grid, 2, num_cores, parallel_dims=3)
 
     def last_visible(i):
         return jnp.minimum((i * bq + bq - 1) // bk, grid[3] - 1)
@@ -73,7 +72,8 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
     def body(q_ref, k_ref, v_ref, *rest):
         mask_ref = rest[0] if mask_hbm is not None else None
         o_ref, lse_ref = rest[-2:]
-        i, j = pl.program_id(2) + q_offset, pl.program_id(3)
+        # Global block indices (emit_pipeline adds the core's offset).
+        i, j = pl.program_id(2), pl.program_id(3)
 
         @pl.when(j == 0)
         def _():
@@ -139,9 +139,7 @@ def pipelined_attention(q, k, v, mask, *, scale, causal, config, interpret, num_
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     bq = blocks_.pipelined_block(dims.q_len, config.block_q, blocks_.SUBLANES)
     bk = blocks_.pipelined_block(dims.kv_len, config.block_k, blocks_.LANES)
-    nq = blocks_.splittable_blocks(cdiv(dims.q_len, bq), dims.batch, dims.q_heads,
-                                   num_cores=num_cores)
-    lp, sp = nq * bq, round_up(dims.kv_len, bk)
+    lp, sp = round_up(dims.q_len, bq), round_up(dims.kv_len, bk)
     ep = round_up(dims.head_dim, config.head_multiple)
     evp = round_up(dims.value_dim, config.head_multiple)
     b, hq, hkv = dims.batch, dims.q_heads, dims.kv_heads
@@ -206,7 +204,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
         else:  # key chunks, online softmax
             chunks = sp // ck
             if causal:  # the chunks holding a key some row of the block sees
-                chunks = jnp.minimum(chunks, cdiv_traced(qi * bq + bq, ck))
+                chunks = jnp.minimum(chunks, (qi * bq + bq + ck - 1) // ck)
 
             def step(c, carry):
                 m_old, l_old, acc_old = carry
@@ -235,10 +233,6 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
     @pl.loop(0, steps)
     def _(t):
         one_block(t // (grid[1] * grid[2]), (t // grid[2]) % grid[1], t % grid[2])
-
-
-def cdiv_traced(a, b):
-    return (a + b - 1) // b
 
 
 def batched_attention(q, k, v, mask, *, scale, causal, config, interpret, num_cores):

@@ -43,7 +43,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.attention_shapes import attention_dims
 from torch_pallas.kernels.padding import pad_to
-from torch_pallas.kernels.shapes import cdiv, round_up
+from torch_pallas.kernels.shapes import round_up
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import attention_blocks as blocks_
 from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot, visible
@@ -76,7 +76,6 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
     bq, bk = block_q, block_k
     nq = lp // bq
     grid = (batch, kv_heads, sp // bk, group * nq)
-    k_offset = blocks_.split_offset(grid, 2, num_cores, parallel_dims=3)
 
     def first_visible(j):  # the first query block with a row that sees key block j
         return jnp.minimum((j * bk) // bq, nq - 1)
@@ -91,7 +90,8 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         mask_ref = rest[0] if mask_hbm is not None else None
         dk_ref, dv_ref = rest[-2:]
-        j, t = pl.program_id(2) + k_offset, pl.program_id(3)
+        # Global block indices (emit_pipeline adds the core's offset).
+        j, t = pl.program_id(2), pl.program_id(3)
         i = t % nq
 
         @pl.when(t == 0)
@@ -150,7 +150,6 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
     sp, ev = k_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
     grid = (batch, q_heads, lp // bq, sp // bk)
-    q_offset = blocks_.split_offset(grid, 2, num_cores, parallel_dims=3)
 
     def kv_block(i, j):  # a skipped causal block repeats the last visible one
         return jnp.minimum(j, jnp.minimum((i * bq + bq - 1) // bk, grid[3] - 1)) if causal else j
@@ -158,7 +157,8 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         mask_ref = rest[0] if mask_hbm is not None else None
         dq_ref = rest[-1]
-        i, j = pl.program_id(2) + q_offset, pl.program_id(3)
+        # Global block indices (emit_pipeline adds the core's offset).
+        i, j = pl.program_id(2), pl.program_id(3)
 
         @pl.when(j == 0)
         def _():
@@ -210,11 +210,7 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, *, scale, causal, config, 
     b, hq, hkv = dims.batch, dims.q_heads, dims.kv_heads
     bq = blocks_.pipelined_block(dims.q_len, config.block_q, blocks_.SUBLANES)
     bk = blocks_.pipelined_block(dims.kv_len, config.block_k, blocks_.LANES)
-    # Each kernel splits its own parallel axes over the cores: one of them
-    # must divide among the cores (padding whole blocks where none does).
-    nq = blocks_.splittable_blocks(cdiv(dims.q_len, bq), b, hq, num_cores=num_cores)
-    nk = blocks_.splittable_blocks(cdiv(dims.kv_len, bk), b, hkv, num_cores=num_cores)
-    lp, sp = nq * bq, nk * bk
+    lp, sp = round_up(dims.q_len, bq), round_up(dims.kv_len, bk)
     ep = round_up(dims.head_dim, config.head_multiple)
     evp = round_up(dims.value_dim, config.head_multiple)
     rows = (b, hq, lp)

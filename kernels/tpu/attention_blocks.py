@@ -1,7 +1,6 @@
 """What the TPU attention kernels (attention.py, attention_backward.py)
 share: the two kernel bodies they choose between, the block sizes of each,
-the score block's visibility rule, the products in float32, and the index
-of a TensorCore's share of a pipelined grid.
+the score block's visibility rule and the products in float32.
 
 Two bodies, chosen by the config:
 
@@ -28,7 +27,6 @@ import jax.numpy as jnp
 
 from torch_pallas.kernels.attention_shapes import AttentionDims
 from torch_pallas.kernels.shapes import cdiv, round_up
-from torch_pallas.kernels.tpu.cores import core_index
 
 # The largest float32 score block (rows x key chunk) the batched body makes.
 SCORE_BUDGET_BYTES = 64 * 2**20
@@ -150,30 +148,6 @@ def dot(a, b, contract, batch_dims: int = 0):
     return jax.lax.dot_general(
         a, b, ((ca, cb), (batch, batch)),
         precision=precision(a.dtype), preferred_element_type=jnp.float32)
-
-
-def split_offset(grid: tuple[int, ...], dim: int, num_cores: int, parallel_dims: int):
-    """The first global index, along grid dimension `dim`, of this core's
-    share, when `pipeline_core_split` spreads the PARALLEL dimensions over
-    `num_cores`: emit_pipeline splits the first of them whose size the cores
-    divide (the kernels make one exist), and its body sees indices local to
-    the core's share."""
-    if num_cores <= 1:
-        return 0
-    split = next((d for d in range(parallel_dims) if grid[d] % num_cores == 0), None)
-    if split is None:
-        raise ValueError(f"attention: no parallel grid dimension of {grid} divides into "
-                         f"{num_cores} TensorCores")
-    return core_index(num_cores) * (grid[dim] // num_cores) if split == dim else 0
-
-
-def splittable_blocks(blocks: int, *others: int, num_cores: int) -> int:
-    """The block count along an axis, raised to a multiple of the cores when
-    neither it nor the other parallel sizes divide among them (the padded
-    blocks hold padding only)."""
-    if num_cores <= 1 or any(n % num_cores == 0 for n in (*others, blocks)):
-        return blocks
-    return round_up(blocks, num_cores)
 
 
 def mask_block_index(mask_shape, b, h):

@@ -1,0 +1,187 @@
+"""The TPU attention kernels (kernels/tpu/attention.py, attention_backward.py)
+against the float64 reference of tests/attention_reference.py: on
+`interpret` (the batched body, JAX's generic interpreter) across shapes,
+masks, GQA, causal and dtypes, including forced small blocks that take the
+key-chunk loops; on `tpu_interpret` (the pipelined TPU body, 2 simulated
+TensorCores, race detection) on a few tiny multi-block cases; lowered for a
+TPU; and the batched body's memory bound."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from attention_reference import bound, make_case, torch_error
+from torch_pallas import backends, bridge, dtypes, jax_env, registry, simulators
+from torch_pallas.kernels.tpu import attention_blocks
+from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body
+
+FORWARD = "torch_pallas.kernels.tpu.attention"
+BACKWARD = "torch_pallas.kernels.tpu.attention_backward"
+
+
+def run(module, backend_name, inputs, *, config=None, detect_races=False, **params):
+    """One kernel file's KERNEL on torch CPU tensors, as backend
+    `backend_name` runs it (tests/attention_reference.run_kernel), with
+    `config` in place of the one the kernel picks when given."""
+    import jax
+
+    backend = backends.get(backend_name)
+    spec = registry._load(module)
+    avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in inputs)
+    device = torch.device("cpu")
+    execution = backend.execution(device=device, takes_inputs=True, detect_races=detect_races)
+    if config is None:
+        config = spec.config(backend.name, avals, params, backends.jax_device(device))
+    kernel = jax.jit(functools.partial(spec.run, **params, config=config, **execution))
+    arrays = [bridge.to_kernel_argument(t.contiguous()) for t in inputs]
+    if backend.simulated:
+        out = simulators.run(backend, kernel, arrays, detect_races=detect_races,
+                             describe=lambda: f"{module} on {backend_name}")
+    else:
+        out = kernel(*arrays)
+    return tuple(bridge.to_torch(a) for a in out)
+
+
+def assert_within(name, out, ref, err_bound):
+    assert out.shape == ref.shape, (name, out.shape, ref.shape)
+    assert torch.isfinite(out).all(), f"{name}: non-finite values"
+    err = (out.double() - ref).abs()
+    bad = err > err_bound
+    if bad.any():
+        where = bad.nonzero()[:5].tolist()
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {err.numel()} beyond the bound; max error "
+            f"{err.max().item():.3g}, worst ratio {(err / err_bound).max().item():.3g}; first at "
+            f"{where}: got {[out[tuple(i)].item() for i in where]}, "
+            f"want {[ref[tuple(i)].item() for i in where]}")
+
+
+def check(backend_name, case, *, config=None, detect_races=False, backward=True):
+    """Forward (o, lse) and, with `backward`, (dq, dk, dv) against the float64
+    reference, within twice torch's own error plus the dtype's floor."""
+    dtype = case.q.dtype
+    params = dict(scale=case.scale, causal=case.causal)
+    o, lse = run(FORWARD, backend_name, case.inputs, config=config,
+                 detect_races=detect_races, **params)
+    assert o.dtype == dtype and lse.dtype == torch.float32
+    do = torch.randn(o.shape).to(dtype) if backward else None
+    ref, errors = torch_error(case, do)
+    assert_within("o", o, ref[0], bound(errors[0], dtype))
+    # lse: +inf exactly where the reference's row sees nothing, else close.
+    empty = ref[1] == float("inf")
+    assert torch.equal(lse == float("inf"), empty), "lse: +inf rows differ"
+    assert_within("lse", torch.where(empty, 0, lse), torch.where(empty, 0, ref[1]),
+                  torch.full_like(ref[1], 4 * bound(torch.zeros(()), dtype).item()))
+    if not backward:
+        return
+    mask = () if case.mask is None else (case.mask,)
+    grads = run(BACKWARD, backend_name, (case.q, case.k, case.v, o, do, lse, *mask),
+                config=config, detect_races=detect_races, **params)
+    for name, g, r, e in zip(("dq", "dk", "dv"), grads, ref[2], errors[1:]):
+        assert g.dtype == dtype
+        assert_within(name, g, r, bound(e, dtype, max(1.0, r.abs().max().item())))
+
+
+# ---------------------------------------------------------------------------
+# interpret: the batched body
+
+SHAPES = {  # make_case keywords
+    "gqa_ragged": dict(),
+    "decode": dict(l=1, s=45),
+    "one_key": dict(l=9, s=1),
+    "l_gt_s_causal": dict(l=50, s=20, causal=True),
+    "odd_dims_causal": dict(e=40, ev=24, causal=True),
+    "mqa": dict(hq=4, hkv=1, e=128, ev=64),
+    "mha_e256": dict(b=1, hq=2, hkv=2, l=20, s=33, e=256, ev=256),
+}
+
+
+@pytest.mark.parametrize("kw", SHAPES.values(), ids=SHAPES.keys())
+def test_interpret_shapes(kw):
+    check("interpret", make_case(**kw))
+
+
+@pytest.mark.parametrize("mask", ["full", "batch", "heads", "shared", "empty_rows"])
+@pytest.mark.parametrize("causal", [False, True], ids=["", "causal"])
+def test_interpret_masks(mask, causal):
+    check("interpret", make_case(mask=mask, causal=causal))
+
+
+DTYPE_CASES = {
+    "float16": dict(dtype=torch.float16, causal=True),
+    "bfloat16": dict(dtype=torch.bfloat16, e=24, ev=40),
+    "bfloat16_f32_mask": dict(dtype=torch.bfloat16, mask="heads", mask_dtype=torch.float32),
+    "float16_mask": dict(dtype=torch.float16, mask="empty_rows", causal=True),
+}
+
+
+@pytest.mark.parametrize("kw", DTYPE_CASES.values(), ids=DTYPE_CASES.keys())
+def test_interpret_dtypes(kw):
+    check("interpret", make_case(**kw))
+
+
+# Blocks small enough that the batched body loops: several (batch, head)
+# blocks, query blocks, and key chunks with the online softmax (and, in the
+# backward, dk/dv accumulated across query blocks).
+SMALL = AttentionConfig(Body.BATCHED, block_q=16, block_k=16, block_b=1, block_h=1)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True, mask="empty_rows"), dict(mask="heads", hkv=1),
+                                dict(l=70, s=23, causal=True, dtype=torch.bfloat16)],
+                         ids=["causal_empty_rows", "mqa_heads_mask", "bf16_l_gt_s"])
+def test_interpret_chunked(kw):
+    check("interpret", make_case(**kw), config=SMALL)
+
+
+def test_interpret_bounded_memory():
+    """select_config keeps every float32 score block of the batched body,
+    and the mask rows it reads, within the budget for long sequences; small
+    problems get one whole block."""
+    budget = attention_blocks.SCORE_BUDGET_BYTES
+    from torch_pallas.kernels.tpu import attention, attention_backward
+
+    def avals(b, hq, hkv, l, s, e, mask=None):
+        out = [((b, hq, l, e), "float32"), ((b, hkv, s, e), "float32"), ((b, hkv, s, e), "float32")]
+        return tuple(out + ([(mask, "float32")] if mask else []))
+
+    small = attention.KERNEL.config("interpret", avals(4, 8, 8, 512, 512, 64), {})
+    assert (small.block_b, small.block_h, small.block_q, small.block_k) == (4, 8, 512, 512)
+    for b, hq, hkv, l, s, mask in [(1, 1, 1, 16384, 16384, None), (4, 32, 8, 16384, 16384, None),
+                                   (2, 8, 8, 16384, 16384, (2, 8, 16384, 16384)),
+                                   (1, 64, 1, 8192, 8192, None), (1, 1, 1, 100_000, 64, None)]:
+        dims_avals = avals(b, hq, hkv, l, s, 64, mask)
+        for spec in (attention.KERNEL, attention_backward.KERNEL):
+            shaped = dims_avals if spec is attention.KERNEL else (
+                dims_avals[:3] + (((b, hq, l, 64), "float32"),) * 2 + (((b, hq, l), "float32"),)
+                + dims_avals[3:])
+            cfg = spec.config("interpret", shaped, {})
+            rows = cfg.block_b * cfg.block_h * (hq // hkv) * cfg.block_q
+            assert rows * cfg.block_k * 4 <= budget, (b, hq, l, s, cfg)
+            if mask:
+                assert rows * s * 4 <= budget, (b, hq, l, s, cfg)
+            assert cfg.block_k >= min(s, 256) and cfg.block_q >= 8, cfg
+
+
+# ---------------------------------------------------------------------------
+# tpu_interpret: the pipelined TPU body, 2 TensorCores, races detected
+
+# 16-row query blocks so that the tiny cases take several blocks each way.
+TPU_SMALL = AttentionConfig(Body.PIPELINED, block_q=16, block_k=128,
+                            head_multiple=attention_blocks.LANES)
+
+TPU_CASES = {
+    # dk/dv's grid (1, 1, 2, 2 * 3) splits the key blocks over the cores.
+    "gqa_causal_heads_mask": dict(b=1, hq=2, hkv=1, l=40, s=200, e=8, causal=True,
+                                  mask="heads"),
+    # B = Hq = 1: the 3 query blocks split unevenly over the cores.
+    "one_head_causal_empty_rows": dict(b=1, hq=1, hkv=1, l=40, s=45, e=24, ev=8, causal=True,
+                                       mask="empty_rows"),
+}
+
+
+@pytest.mark.parametrize("kw", TPU_CASES.values(), ids=TPU_CASES.keys())
+def test_tpu_interpret_race_free(kw):
+    check("tpu_interpret", make_case(**kw), config=TPU_SMALL, detect_races=True)

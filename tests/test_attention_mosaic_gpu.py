@@ -74,38 +74,38 @@ def check_case(case, with_backward=True):
         check_gradients(case, run_backward(case, o, do, lse), ref, errors)
 
 
-# (id, make_case keywords): each a ragged canonical call, small for the simulator.
+# (id, make_case keywords, with the backward): each a ragged canonical call,
+# small for the simulator (which spends seconds per program of the forward's
+# warp-specialized kernel).
 CASES = [
-    ("gqa-ragged-bf16", dict(b=1, hq=4, hkv=2, l=37, s=45, e=32, dtype=BF16)),
-    ("mqa-causal-multiblock-E40-Ev24", dict(b=1, hq=2, hkv=1, l=70, s=150, e=40, ev=24,
-                                            causal=True, dtype=F16)),
-    ("decode-gqa", dict(b=1, hq=4, hkv=1, l=1, s=45, e=64, dtype=BF16)),
-    ("causal-L>S-shared-mask", dict(b=1, hq=2, hkv=1, l=50, s=20, e=32, causal=True, dtype=F16,
-                                    mask="shared", mask_dtype=F32)),
-    ("full-mask-f32-mask", dict(b=1, hq=2, hkv=2, l=20, s=45, e=24, dtype=BF16, mask="full",
-                                mask_dtype=F32)),
-    ("empty-rows-causal", dict(b=1, hq=2, hkv=1, l=37, s=45, e=32, dtype=F16, mask="empty_rows",
-                               causal=True)),
-    ("batch-mask", dict(b=2, hq=2, hkv=2, l=9, s=30, e=32, dtype=BF16, mask="batch")),
-    ("S=1-heads-mask", dict(b=1, hq=2, hkv=1, l=9, s=1, e=32, dtype=F16, mask="heads")),
+    ("gqa-ragged-bf16", dict(b=1, hq=4, hkv=2, l=37, s=45, e=32, dtype=BF16), True),
+    ("mqa-causal-2wg-E40-Ev24", dict(b=1, hq=2, hkv=1, l=70, s=150, e=40, ev=24, causal=True,
+                                     dtype=F16), True),
+    ("decode-mqa", dict(b=1, hq=4, hkv=1, l=1, s=45, e=64, dtype=BF16), False),
+    ("causal-L>S-shared-f32-mask", dict(b=1, hq=2, hkv=1, l=50, s=20, e=32, causal=True,
+                                        dtype=F16, mask="shared", mask_dtype=F32), True),
+    ("full-f32-mask-E24", dict(b=1, hq=2, hkv=2, l=20, s=45, e=24, dtype=BF16, mask="full",
+                               mask_dtype=F32), False),
+    ("empty-rows-causal", dict(b=1, hq=2, hkv=1, l=37, s=45, e=32, dtype=F16,
+                               mask="empty_rows", causal=True), True),
+    ("batch-mask", dict(b=2, hq=1, hkv=1, l=9, s=30, e=32, dtype=BF16, mask="batch"), True),
+    ("S=1-heads-mask", dict(b=1, hq=2, hkv=1, l=9, s=1, e=32, dtype=F16, mask="heads"), True),
+    ("E128-Ev64", dict(b=1, hq=1, hkv=1, l=20, s=33, e=128, ev=64, dtype=BF16), False),
 ]
 
 
-@pytest.mark.parametrize("kwargs", [c[1] for c in CASES], ids=[c[0] for c in CASES])
-def test_simulated_forward_and_backward_match_float64(kwargs):
-    check_case(make_case(**kwargs))
-
-
-def test_simulated_forward_e128_ev_not_e():
-    check_case(make_case(b=1, hq=2, hkv=1, l=20, s=33, e=128, ev=64, dtype=BF16),
-               with_backward=False)
+@pytest.mark.parametrize("kwargs,with_backward", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_simulated_attention_matches_float64(kwargs, with_backward):
+    check_case(make_case(**kwargs), with_backward)
 
 
 @pytest.mark.slow
 def test_simulated_head_dim_256_many_blocks():
     """Head dims 256 / 200 (the smallest blocks and pipelines select_config
-    ships) over several query and key blocks, with a mask and causal."""
-    check_case(make_case(b=1, hq=2, hkv=1, l=130, s=200, e=256, ev=200, dtype=BF16,
+    ships) over several key blocks and two compute warpgroups, with a
+    per-head mask and causal."""
+    check_case(make_case(b=1, hq=2, hkv=1, l=70, s=130, e=256, ev=200, dtype=BF16,
                          mask="heads", causal=True))
 
 
@@ -146,10 +146,28 @@ def test_a_config_past_the_shared_memory_budget_is_refused():
             "float16", 64, 64)
 
 
-# Lowering for sm_90a: every head-dim bucket select_config distinguishes, each
-# with a causal call, a float32 and a 16-bit mask, GQA throughout.
-HEAD_DIMS = [(64, 64), (128, 128), (192, 192), (256, 256), (40, 24), (256, 64), (64, 256)]
-MASKS = [(None, True), ("float32", False), ("bfloat16", True)]  # (mask dtype, causal)
+# Lowering for sm_90a. select_config's choice depends on the query length (at
+# most 64 rows or more), the head dims padded to 64 and the mask's dtype:
+# every configuration it can return is lowered, for the call that needs the
+# most shared memory of those it is chosen for (causal, GQA).
+PADDED_DIMS = (64, 128, 192, 256)
+MASK_DTYPES = (None, "bfloat16", "float32")
+
+
+def shipped(spec, saved: bool) -> dict:
+    """{config: (smem bytes, q_len, E, Ev, mask dtype)} over every call class."""
+    witnesses = {}
+    for l in (1, 300):
+        for e in PADDED_DIMS:
+            for ev in PADDED_DIMS:
+                for mask_dtype in MASK_DTYPES:
+                    avals = attention_avals(e, ev, mask_dtype, l=l, saved=saved)
+                    config = spec.config("mosaic_gpu", avals, {"scale": 0.1, "causal": True}, H100)
+                    need = config.smem_bytes("bfloat16", e, ev, mask_dtype)
+                    need = max(need.values()) if isinstance(need, dict) else need
+                    if config not in witnesses or witnesses[config][0] < need:
+                        witnesses[config] = (need, l, e, ev, mask_dtype)
+    return witnesses
 
 
 def aval(shape, dtype):
@@ -164,35 +182,76 @@ def lower_for_hopper(f, avals) -> str:
 
 
 def attention_avals(e, ev, mask_dtype, dtype="bfloat16", b=2, hq=4, hkv=2, l=300, s=500,
-                    mask_heads=1):
+                    mask_heads=1, saved=False):
+    """Avals of a forward call, or with `saved` of a backward call."""
     avals = (((b, hq, l, e), dtype), ((b, hkv, s, e), dtype), ((b, hkv, s, ev), dtype))
-    mask = () if mask_dtype is None else (((b, mask_heads, l, s), mask_dtype),)
-    return avals, mask
+    if saved:
+        avals += (((b, hq, l, ev), dtype), ((b, hq, l, ev), dtype), ((b, hq, l), "float32"))
+    return avals + (() if mask_dtype is None else (((b, mask_heads, l, s), mask_dtype),))
 
 
-@pytest.mark.parametrize("e,ev", HEAD_DIMS, ids=str)
-def test_every_shipped_config_lowers_for_hopper(e, ev):
-    for mask_dtype, causal in MASKS:
-        dtype = "float16" if causal else "bfloat16"
-        qkv, mask = attention_avals(e, ev, mask_dtype, dtype, mask_heads=4 if causal else 1)
-        params = {"scale": 0.125, "causal": causal}
-        config = forward.KERNEL.config("mosaic_gpu", qkv + mask, params, H100)
-        config.check(dtype, e, ev, mask_dtype)
-        lower_for_hopper(lambda *a: forward.attention(*a, **params, config=config,
-                                                      interpret=None), qkv + mask)
-        (b, hq, l, _), _ = qkv[0]
-        saved = (((b, hq, l, ev), dtype), ((b, hq, l, ev), dtype), ((b, hq, l), "float32"))
-        avals = qkv + saved + mask
-        config = backward.KERNEL.config("mosaic_gpu", avals, params, H100)
-        config.check(dtype, e, ev, mask_dtype)
-        lower_for_hopper(lambda *a: backward.attention_backward(*a, **params, config=config,
-                                                                interpret=None), avals)
+def lower_forward(avals, causal, config=None):
+    params = {"scale": 0.125, "causal": causal}
+    config = config or forward.KERNEL.config("mosaic_gpu", avals, params, H100)
+    lower_for_hopper(lambda *a: forward.attention(*a, **params, config=config, interpret=None),
+                     avals)
+    return config
+
+
+def lower_backward(avals, causal, config=None):
+    params = {"scale": 0.125, "causal": causal}
+    config = config or backward.KERNEL.config("mosaic_gpu", avals, params, H100)
+    lower_for_hopper(lambda *a: backward.attention_backward(*a, **params, config=config,
+                                                            interpret=None), avals)
+    return config
+
+
+FORWARD_CONFIGS = sorted(shipped(forward.KERNEL, saved=False).items(), key=str)
+BACKWARD_CONFIGS = sorted(shipped(backward.KERNEL, saved=True).items(), key=str)
+
+
+@pytest.mark.parametrize("config,witness", FORWARD_CONFIGS, ids=[str(c[1][1:]) for c in FORWARD_CONFIGS])
+def test_every_shipped_forward_config_lowers_for_hopper(config, witness):
+    _, l, e, ev, mask_dtype = witness
+    config.check("bfloat16", e, ev, mask_dtype)
+    lower_forward(attention_avals(e, ev, mask_dtype, l=l, mask_heads=4), causal=True,
+                  config=config)
+
+
+@pytest.mark.parametrize("config,witness", BACKWARD_CONFIGS, ids=[str(c[1][1:]) for c in BACKWARD_CONFIGS])
+def test_every_shipped_backward_config_lowers_for_hopper(config, witness):
+    _, l, e, ev, mask_dtype = witness
+    config.check("bfloat16", e, ev, mask_dtype)
+    lower_backward(attention_avals(e, ev, mask_dtype, l=l, saved=True, mask_heads=4),
+                   causal=True, config=config)
+
+
+def test_shipped_configs_cover_both_warpgroup_counts():
+    """Two compute warpgroups for long queries, one for decoding (and for
+    head dims whose tiles leave no room for two with a pipeline)."""
+    assert {c.compute_wgs for c, _ in FORWARD_CONFIGS} == {1, 2}
+    assert forward.KERNEL.config("mosaic_gpu", attention_avals(128, 128, None, l=1), {},
+                                 H100).compute_wgs == 1
+    assert forward.KERNEL.config("mosaic_gpu", attention_avals(128, 128, None, l=65), {},
+                                 H100).compute_wgs == 2
+    for config, _ in FORWARD_CONFIGS + BACKWARD_CONFIGS:
+        assert config.max_concurrent_steps >= 2 or config in (
+            backward.BackwardConfig(64, 64, 1),), config
+
+
+@pytest.mark.parametrize("e,ev,mask_dtype,causal,mask_heads", [
+    (40, 24, "float16", True, 4),  # odd head dims, a per-head 16-bit mask
+    (128, 128, "float32", False, 1),  # not causal, a shared float32 mask
+    (256, 64, None, False, 1),
+], ids=str)
+def test_call_classes_lower_for_hopper(e, ev, mask_dtype, causal, mask_heads):
+    dtype = "float16" if mask_dtype == "float16" else "bfloat16"
+    lower_forward(attention_avals(e, ev, mask_dtype, dtype, mask_heads=mask_heads), causal)
+    lower_backward(attention_avals(e, ev, mask_dtype, dtype, mask_heads=mask_heads, saved=True),
+                   causal)
 
 
 def test_decode_and_mqa_lower_for_hopper():
-    qkv, mask = attention_avals(128, 128, "float16", "float16", b=1, hq=8, hkv=1, l=1, s=4096,
-                                mask_heads=8)
-    params = {"scale": 0.1, "causal": False}
-    config = forward.KERNEL.config("mosaic_gpu", qkv + mask, params, H100)
-    lower_for_hopper(lambda *a: forward.attention(*a, **params, config=config, interpret=None),
-                     qkv + mask)
+    avals = attention_avals(128, 128, "float16", "float16", b=1, hq=8, hkv=1, l=1, s=4096,
+                            mask_heads=8)
+    assert lower_forward(avals, causal=False).compute_wgs == 1

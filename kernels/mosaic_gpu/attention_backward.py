@@ -73,10 +73,10 @@ class BackwardConfig:
         e, ev = padded_head_dim(head_dim), padded_head_dim(value_dim)
         bq, bk, steps = self.block_q, self.block_kv, self.max_concurrent_steps
         mask = 0 if mask_dtype is None else bq * bk * itemsize(mask_dtype)
-        scores = bq * bk * size  # one staged P or dS tile
+        scores = bq * bk * size  # one staged Pᵀ or dSᵀ tile
         dkv = bk * (e + ev) * size + 2 * scores + steps * (bq * (e + ev) * size + 2 * bq * 4 + mask)
         dkv = max(dkv, bk * (e + ev) * size)
-        dq = bq * (e + ev) * size + 2 * bq * 4 + scores + steps * (bk * (e + ev) * size + mask)
+        dq = bq * (e + ev) * size + 2 * bq * 4 + steps * (bk * (e + ev) * size + mask)
         dq = max(dq, bq * e * size)
         return {"dkv": dkv, "dq": dq}
 
@@ -263,9 +263,7 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
                           score_scale=scale * LOG2E, row0=q0, col0=j * bk, kv_len=kv_len,
                           causal=causal, ragged=ragged)
         ds = p * (dp - jax.lax.broadcast_in_dim(delta, dp.shape, [0]))
-        ds_smem[...] = ds.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.wgmma(dq_acc, ds_smem, k_smem)
+        plgpu.wgmma(dq_acc, target.operand(ds, dtype, ds_smem), k_smem)
         plgpu.wgmma_wait(0)  # the pipeline reuses K's slot next
 
     def main_loop(dq_acc):
@@ -290,7 +288,7 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
             plgpu.SMEM((bq, ev), dtype, transforms=transforms),
             plgpu.SMEM((bq,), jnp.float32),
             plgpu.SMEM((bq,), jnp.float32),
-            plgpu.SMEM((bq, bk), dtype, transforms=transforms),
+            None if target.hardware else plgpu.SMEM((bq, bk), dtype, transforms=transforms),
             plgpu.Barrier(num_barriers=4),
         )
         return dq_acc[...]

@@ -5,13 +5,15 @@ for `wgmma` on the hardware and in the simulator, the visibility of scores
 
 Staging (`Target`). On the hardware wgmma reads 16-bit operands either way,
 so a transposed operand (Kᵀ in Q Kᵀ, Vᵀ in dO Vᵀ, Pᵀ and dSᵀ in the
-backward) is the SMEM tile as it lies, seen through `plgpu.transpose_ref`,
-and register arrays get their `wgmma` layouts by `plgpu.layout_cast`. The
-simulator (jax 0.10) runs neither: there XLA transposes K, V (and Q, dO for
-the backward) once outside the kernel, so every SMEM tile is read as it is
-stored, transposed scores are stored transposed (`stage_transposed`), and
-layouts (which never change values) are left to it. Everything else, the
-algorithm, the pipeline and every copy, is the same code on both.
+backward) is the SMEM tile as it lies, seen through `plgpu.transpose_ref`;
+a left operand computed in registers (P in P V, dS in dS K) stays there;
+register arrays get their `wgmma` layouts by `plgpu.layout_cast`. The
+simulator (jax 0.10) runs none of these: there XLA transposes K and V once
+outside the kernels, so every SMEM tile is read as it is stored, register
+operands go through an SMEM tile (`operand`), transposed ones are stored
+transposed (`stage_transposed`), and layouts (which never change values)
+are left to it. Everything else, the algorithm, the pipelines, every copy
+and barrier, is the same code on both.
 
 Padding. The simulator raises on a block past an array's edge where the
 hardware's TMA zero-fills, so L, S are zero-padded to whole blocks and E, Ev
@@ -37,9 +39,10 @@ from torch_pallas.kernels.shapes import round_up
 LOG2E = math.log2(math.e)  # scores are kept in base 2: exp2 is the fast exponential
 HEAD_DIM_MULTIPLE = 64  # 16-bit elements in one 128-byte swizzle row
 SUPPORTED_DTYPES = ("float16", "bfloat16")
-# What Mosaic GPU reserves of a block's shared memory beside the kernel's own
-# buffers (barriers, alignment); the budget checks keep this margin.
-SMEM_SLACK_BYTES = 1024
+# What Mosaic GPU allocates beside the kernels' own tiles (barriers,
+# alignment): 2120-2128 bytes in every forward lowered for sm_90a; the budget
+# checks keep this margin.
+SMEM_SLACK_BYTES = 2560
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,16 @@ class Target:
         """The SMEM shape of a (rows, cols) tile handed to wgmma transposed."""
         return (rows, cols) if self.hardware else (cols, rows)
 
+    def operand(self, x, dtype, smem):
+        """wgmma's A operand x (a register tile) in `dtype`: read from the
+        registers on the hardware; stored to `smem` (allocated only for the
+        simulator, whose wgmma reads SMEM only) in the simulator."""
+        if self.hardware:
+            return x.astype(dtype)
+        smem[...] = x.astype(dtype)
+        plgpu.commit_smem()
+        return smem
+
     def stage_transposed(self, x, smem):
         """wgmma's A operand xᵀ, for a register tile x: x stored as it is and
         read transposed on the hardware, stored transposed in the simulator
@@ -115,17 +128,28 @@ def tile_transforms(dtype):
 def visible(s, target: Target, *, row0, col0, kv_len: int, causal: bool, ragged: bool):
     """Scores s (rows, cols) of queries row0.. and keys col0.., -inf where a
     key is hidden: padding past kv_len (when `ragged`), or after the query
-    (when `causal`)."""
+    (when `causal`). Only a block that holds such keys pays for the test
+    (the last key block, the blocks on the diagonal)."""
     if not (causal or ragged):
         return s
-    col = target.tile(jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)) + col0
-    shown = None
+    rows, cols = s.shape
+    partly_hidden = False
     if ragged:
-        shown = col < kv_len
+        partly_hidden = col0 + cols > kv_len
     if causal:
-        row = target.tile(jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)) + row0
-        shown = (col <= row) if shown is None else (shown & (col <= row))
-    return jnp.where(shown, s, -jnp.inf)
+        partly_hidden = jnp.logical_or(partly_hidden, col0 + cols - 1 > row0)
+
+    def hide(s):
+        col = target.tile(jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)) + col0
+        shown = None
+        if ragged:
+            shown = col < kv_len
+        if causal:
+            row = target.tile(jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)) + row0
+            shown = (col <= row) if shown is None else (shown & (col <= row))
+        return jnp.where(shown, s, -jnp.inf)
+
+    return jax.lax.cond(partly_hidden, hide, lambda s: s, s)
 
 
 def mask_view(mask_gmem, b, h):

@@ -327,20 +327,24 @@ def reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
               scale=None, enable_gqa=False) -> torch.Tensor:
     """torch's scaled_dot_product_attention in float64, a causal rule added
     to the mask (so that both may apply) and rows that see nothing 0."""
-    length, kv_length = query.shape[-2], key.shape[-2]
-    mask = None
-    if attn_mask is not None:
-        mask = (attn_mask if attn_mask.dtype == torch.bool else attn_mask.double())
-        if mask.dtype == torch.bool:
-            mask = torch.zeros((), dtype=torch.float64).masked_fill(~mask, float("-inf"))
-    if is_causal:
-        causal = torch.zeros(length, kv_length, dtype=torch.float64).masked_fill(
-            _causal_hidden(length, kv_length, "cpu"), float("-inf"))
-        mask = causal if mask is None else mask + causal
+    mask = reference_mask(attn_mask, is_causal, query.shape[-2], key.shape[-2])
     out = torch.nn.functional.scaled_dot_product_attention(
         query.double(), key.double(), value.double(), attn_mask=mask, scale=scale,
         enable_gqa=enable_gqa)
     return torch.nan_to_num(out, nan=0.0)
+
+
+def reference_mask(attn_mask, is_causal: bool, length: int, kv_length: int):
+    """The mask and the causal rule as one additive float64 mask (or None)."""
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask.double() if attn_mask.dtype != torch.bool else (
+            torch.zeros((), dtype=torch.float64).masked_fill(~attn_mask.cpu(), float("-inf")))
+    if is_causal:
+        causal = torch.zeros(length, kv_length, dtype=torch.float64).masked_fill(
+            _causal_hidden(length, kv_length, "cpu"), float("-inf"))
+        mask = causal if mask is None else mask + causal
+    return mask
 
 
 def error_bound(query, key, value, ref, **kwargs) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import torch_pallas
 from helpers import CPU_BACKENDS, assert_within
+from torch_pallas import dtypes
 from torch_pallas.ops import attention as attention_op
 
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -73,8 +74,9 @@ def compare(args, kwargs, dtype, *, backward: bool, what: str):
 
     def floor(ref, roundings=1):
         """The floor of a bound: ATOL of values of order 1 per rounding into
-        `dtype` on the way (gradients: two more, of the output in delta and
-        of the probabilities), and the float32 rounding of the scores, which
+        `dtype` on the way (16-bit gradients: two more, of the probabilities
+        before P @ V and of the output, both of which delta = rowsum(dO * O)
+        inherits), and the float32 rounding of the scores, which
         the probabilities inherit relative to the scores' size (large with
         torch's sample inputs, uniform in [-9, 9])."""
         magnitude = max(1.0, ref.abs().max().item())
@@ -83,13 +85,59 @@ def compare(args, kwargs, dtype, *, backward: bool, what: str):
     q, k = args[0].detach().double(), args[1].detach().double()
     scale = kwargs.get("scale") or 1 / math.sqrt(q.shape[-1])
     score_size = scale * q.shape[-1] * q.abs().max().item() * k.abs().max().item()
-    assert_within(out, ref_out, 2 * (torch_out.double() - ref_out).abs() + floor(ref_out),
-                  f"{what}: output")
-    for i, (g, tg, rg) in enumerate(zip(grads, torch_grads, ref_grads)):
-        assert g.dtype == needs[i].dtype
-        roundings = 1 if dtype == torch.float32 else 2
-        assert_within(g, rg, 2 * (tg.double() - rg).abs() + floor(rg, roundings),
-                      f"{what}: gradient of input {i}")
+    terms = {}
+    if dtype != torch.float32:
+        terms = rounding_terms(*(t.detach().double() for t in args), kwargs, scale,
+                               run.grad if backward else None, dtype)
+    assert_within(out, ref_out, 2 * (torch_out.double() - ref_out).abs() + floor(ref_out)
+                  + terms.get("out", 0), f"{what}: output")
+    names = [n for n, t in zip(("query", "key", "value", "attn_mask"), inputs) if t.requires_grad]
+    for name, g, tg, rg in zip(names, grads, torch_grads, ref_grads):
+        assert g.dtype == dict(zip(("query", "key", "value", "attn_mask"), inputs))[name].dtype
+        roundings = 1 if dtype == torch.float32 else 3
+        assert_within(g, rg, 2 * (tg.double() - rg).abs() + floor(rg, roundings)
+                      + terms.get(name, 0), f"{what}: gradient of {name}")
+
+
+def rounding_terms(q, k, v, kwargs, scale, grad, dtype) -> dict:
+    """What rounding the probabilities P and the scores' gradient dS to a
+    16-bit dtype before their products costs (the GPU kernels do, as
+    FlashAttention does, to multiply on Tensor Cores), elementwise, in
+    float64 from the inputs: |P| |V| for the output, scale |dS| |K| for dQ,
+    scale |dS|ᵀ |Q| for dK and |P|ᵀ |dO| for dV, each summed over the heads
+    and batches its input is shared by, times three roundings, twice over; and
+    what the rounded output costs delta = rowsum(dO * O), which every
+    score's gradient in the row inherits."""
+    rounding = 2 * 3 * dtypes.ROUNDING[dtype]  # P or dS, and P once more inside dS
+    heads = q.shape[-3] if q.dim() >= 3 else 1
+    group = heads // k.shape[-3] if kwargs.get("enable_gqa") else 1
+    k_full, v_full = (t.repeat_interleave(group, -3) for t in (k, v))
+    mask = attention_op.reference_mask(kwargs.get("attn_mask"), kwargs.get("is_causal", False),
+                                       q.shape[-2], k.shape[-2])
+    scores = (q @ k_full.mT) * scale
+    if mask is not None:
+        scores = scores + mask
+    p = torch.softmax(scores, -1).nan_to_num(0.0)
+    terms = {"out": rounding * (p @ v_full.abs())}
+    if grad is None:
+        return terms
+    out = p @ v_full
+    ds = (p * (grad @ v_full.mT - (grad * out).sum(-1, keepdim=True))).abs()
+    # delta = rowsum(dO * O) reads the rounded output: its error reaches
+    # every score's gradient of the row.
+    delta_error = (grad.abs() * (terms["out"] + rounding * out.abs())).sum(-1, keepdim=True)
+    ds = ds + p * delta_error
+
+    def shared(term, like):  # summed over the GQA group and broadcast batches
+        if group > 1:
+            term = term.unflatten(-3, (-1, group)).sum(-3)
+        return term.sum_to_size(like.shape)
+
+    terms["query"] = shared(rounding * scale * (ds @ k_full.abs()), q) if group == 1 else (
+        (rounding * scale * (ds @ k_full.abs())).sum_to_size(q.shape))
+    terms["key"] = shared(rounding * scale * (ds.mT @ q.abs()), k)
+    terms["value"] = shared(rounding * (p.mT @ grad.abs()), v)
+    return terms
 
 
 @pytest.mark.parametrize("backend,dtype", BACKEND_DTYPES,

@@ -313,3 +313,75 @@ def test_replace_linear_keeps_a_conv1d_parametrization():
     parametrize.remove_parametrizations(model, "weight")
     assert type(model) is torch_pallas.nn.Conv1D
     torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
+
+
+# A user's own linear layers, named to replace_linear with `also=`.
+class OutIn(nn.Module):
+    """x @ weight.T + bias, weight (out, in): nn.Linear's layout."""
+
+    def __init__(self, n_in, n_out, bias=True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_out, n_in) / n_in**0.5)
+        self.bias = nn.Parameter(torch.randn(n_out)) if bias else None
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class InOut(nn.Module):
+    """x @ weight (no bias attribute at all), weight (in, out)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / n_in**0.5)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+class NotLinear(OutIn):
+    def forward(self, x):
+        return torch.relu(super().forward(x))
+
+
+def test_replace_linear_converts_the_linear_maps_a_user_names():
+    reference = nn.Sequential(OutIn(9, 13), nn.GELU(), InOut(13, 6), OutIn(6, 5, bias=False))
+    model = copy.deepcopy(reference)
+    parameters = list(model.parameters())
+    assert replace_linear(model, also={OutIn: "out_in", InOut: "in_out"}) is model
+    assert converted(model) == ["0", "2", "3"]
+    assert isinstance(model[0], OutIn) and isinstance(model[2], InOut)
+    assert list(model.parameters()) == parameters  # the same Parameter objects
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    x = torch.randn(4, 3, 9)
+    assert pallas_matmuls(lambda: model(x)) == 3
+    expected = reference(x)
+    got = model(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(got)
+    for g, e in zip(torch.autograd.grad(got, parameters, grad),
+                    torch.autograd.grad(expected, list(reference.parameters()), grad)):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    # A sequence of classes means nn.Linear's layout.
+    assert converted(replace_linear(nn.Sequential(OutIn(3, 4)), also=[OutIn])) == ["0"]
+    # Pickled by reference, as torch.save(model) does.
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert type(loaded[2]) is type(model[2])
+    torch.testing.assert_close(loaded(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_replace_linear_refuses_a_named_class_that_computes_something_else():
+    model = nn.Sequential(nn.Linear(3, 5), NotLinear(5, 4))
+    with pytest.raises(ValueError, match=r"replace_linear: 1 \(NotLinear\): its forward does not "
+                                         r"compute x @ weight.T \+ bias"):
+        replace_linear(model, also=[NotLinear])
+    assert converted(model) == []  # nothing changed
+    with pytest.raises(ValueError, match=r"1 \(InOut\): its forward does not compute x @ weight.T"):
+        replace_linear(nn.Sequential(nn.Linear(3, 4), InOut(4, 4)), also=[InOut])  # wrong layout
+    with pytest.raises(ValueError, match=r"the layout must be one of \('out_in', 'in_out'\)"):
+        replace_linear(model, also={OutIn: "transposed"})
+    with pytest.raises(TypeError, match=r"also= takes torch.nn.Module classes"):
+        replace_linear(model, also=["OutIn"])

@@ -57,7 +57,100 @@ def _pallas_conv1d(base: type) -> type:
     return _PALLAS_CONV1D[base]
 
 
+# A user's linear-map class -> its torch_pallas subclass (replace_linear's `also`).
+_PALLAS_LINEAR_MAPS: dict[type, type] = {}
+LAYOUTS = ("out_in", "in_out")  # weight (out, in): x @ W.T + b; (in, out): x @ W + b
+
+
+def _named_linear_maps(also) -> dict[type, str]:
+    items = also.items() if isinstance(also, dict) else ((cls, "out_in") for cls in also)
+    named = {}
+    for cls, layout in items:
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise TypeError(f"torch_pallas.nn.replace_linear: also= takes torch.nn.Module "
+                            f"classes, got {cls!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"torch_pallas.nn.replace_linear: also={{{cls.__name__}: "
+                             f"{layout!r}}}: the layout must be one of {LAYOUTS}")
+        named[cls] = layout
+    return named
+
+
+def _pallas_linear_map(base: type, layout: str) -> type:
+    """The torch_pallas subclass of a user's class `base` whose forward is
+    `x @ weight.T + bias` ("out_in") or `x @ weight + bias` ("in_out").
+    Pickled by reference to a name in this module that encodes `base`'s
+    module and qualified name, so torch.save(model) loads again."""
+    key = (base, layout)
+    if key not in _PALLAS_LINEAR_MAPS:
+        transpose = layout == "in_out"
+
+        def forward(self, input: torch.Tensor) -> torch.Tensor:
+            weight = self.weight.t() if transpose else self.weight
+            return _linear(input, weight, getattr(self, "bias", None))
+
+        name = _linear_map_name(base, layout)
+        cls = type(name, (base,), {"forward": forward, "__module__": __name__,
+                                   "__qualname__": name, "__doc__":
+                                   f"{base.__qualname__} with its product on torch.ops.pallas.matmul."})
+        _PALLAS_LINEAR_MAPS[key] = cls
+    return _PALLAS_LINEAR_MAPS[key]
+
+
+def _linear_map_name(base: type, layout: str) -> str:
+    # No "." (pickle splits qualified names on it): module path and qualified
+    # name joined by ":" and "|".
+    return f"Pallas[{base.__module__.replace('.', ':')}|{base.__qualname__.replace('.', ':')}|{layout}]"
+
+
+def _linear_map_from_name(name: str) -> type | None:
+    if not (name.startswith("Pallas[") and name.endswith("]")):
+        return None
+    try:
+        module_name, qualname, layout = name[len("Pallas["):-1].split("|")
+    except ValueError:
+        return None
+    import importlib
+
+    base = importlib.import_module(module_name.replace(":", "."))
+    for part in qualname.split(":"):
+        base = getattr(base, part)
+    return _pallas_linear_map(base, layout)
+
+
+def _check_linear_map(name: str, m: torch.nn.Module, layout: str, pallas: type) -> None:
+    """`m`'s own forward and the Pallas product agree on a small random input
+    (in eval mode, without hooks or gradients), or ValueError."""
+    weight = getattr(m, "weight", None)
+    where = f"torch_pallas.nn.replace_linear: {name or '(the module itself)'} ({type(m).__name__})"
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{where}: a linear map named in also= needs a 2-D `weight`, got "
+                         f"{None if weight is None else tuple(weight.shape)}")
+    if weight.is_meta:
+        return  # nothing to compute with: checked never
+    in_features = weight.shape[1] if layout == "out_in" else weight.shape[0]
+    x = torch.randn(3, in_features, dtype=weight.dtype, device=weight.device)
+    training = m.training
+    try:
+        m.eval()
+        with torch.no_grad():
+            expected = type(m).forward(m, x)
+            got = pallas.forward(m, x)
+    finally:
+        m.train(training)
+    if not (isinstance(expected, torch.Tensor) and expected.shape == got.shape
+            and torch.allclose(got.float(), expected.float(), rtol=1e-2, atol=1e-2 * (1 + expected.abs().max().item()))):
+        raise ValueError(
+            f"{where}: its forward does not compute x @ weight{'.T' if layout == 'out_in' else ''}"
+            f" + bias (checked on a random input), so it is not converted; name it with the "
+            f"layout it has (also={{{type(m).__name__}: {'in_out' if layout == 'out_in' else 'out_in'!r}}}) "
+            "or leave it out")
+
+
 def __getattr__(name: str):
+    linear_map = _linear_map_from_name(name)
+    if linear_map is not None:  # unpickling a converted user layer
+        return linear_map
     # `torch_pallas.nn.Conv1D`: built (importing transformers) when first asked for.
     if name == "Conv1D":
         try:
@@ -68,11 +161,17 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def replace_linear(module: torch.nn.Module, *, verbose: bool = False) -> torch.nn.Module:
+def replace_linear(module: torch.nn.Module, *, also=(), verbose: bool = False) -> torch.nn.Module:
     """Converts `module` IN PLACE, and returns the same object (not a copy):
     every `torch.nn.Linear` in it (itself included) becomes a
-    `torch_pallas.nn.Linear`, and every transformers `Conv1D` (GPT-2's
-    `c_attn`, `c_proj`, `c_fc`) a `torch_pallas.nn.Conv1D`. Their forward then
+    `torch_pallas.nn.Linear`, every transformers `Conv1D` (GPT-2's
+    `c_attn`, `c_proj`, `c_fc`) a `torch_pallas.nn.Conv1D`, and every
+    instance of a class named in `also` a subclass of it on the Pallas
+    matmul (`also`: classes whose forward is `x @ weight.T + bias`, or a
+    dict class -> "out_in" for that, "in_out" for `x @ weight + bias`;
+    `bias` may be None or absent). Each such layer is checked once, on a
+    small random input, against its own forward, and a class that computes
+    something else raises ValueError naming it. Their forward then
     runs on `torch.ops.pallas.matmul`; nothing else changes: the same
     Parameter objects (optimizers already holding them, and tied weights such
     as GPT-2's `lm_head`/`wte`, keep working), buffers, hooks and state_dict.
@@ -95,6 +194,12 @@ def replace_linear(module: torch.nn.Module, *, verbose: bool = False) -> torch.n
       imported it already.
     """
     targets = _pallas_targets()
+    named = _named_linear_maps(also)
+    for cls, layout in named.items():
+        targets[cls] = _pallas_linear_map(cls, layout)
+    for name, m in module.named_modules():  # all checked before anything changes
+        if type(m) in named:
+            _check_linear_map(name, m, named[type(m)], targets[type(m)])
     report = []  # (name, what happened), for verbose
     converts = False  # anything on, or bound for, the Pallas matmul
     left_alone = set()
@@ -160,7 +265,7 @@ def _pallas_targets() -> dict[type, type]:
 
 
 def _pallas_classes() -> tuple[type, ...]:
-    return (Linear, *_PALLAS_CONV1D.values())
+    return (Linear, *_PALLAS_CONV1D.values(), *_PALLAS_LINEAR_MAPS.values())
 
 
 def _parametrized_on(cls: type, base: type) -> type:

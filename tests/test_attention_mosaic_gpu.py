@@ -7,9 +7,10 @@ lowered for sm_90a with every configuration select_config ships (the
 simulator checks values; the lowering checks wgmma layouts and dtypes, SMEM
 budget and the MLIR verifier, which the simulator skips).
 
-The simulator is slow (about 3 s to build a kernel, more per program), so
-the calls are small; each case runs the forward and, on the forward's own o
-and lse, the backward.
+The simulator is slow (seconds per kernel, and per program of a
+warp-specialized one: select_config gives it one), so the calls are small;
+most cases run the forward and, on the forward's own o and lse, the
+backward.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from attention_reference import Case, bound, make_case, run_kernel, torch_error
 from helpers import assert_within
+from torch_pallas import jax_env
 from torch_pallas.kernels.mosaic_gpu import attention as forward
 from torch_pallas.kernels.mosaic_gpu import attention_backward as backward
 from torch_pallas.kernels.mosaic_gpu.tiles import HOPPER_SMEM_BYTES
@@ -105,15 +107,38 @@ def test_simulated_head_dim_256_many_blocks():
     """Head dims 256 / 200 (the smallest blocks and pipelines select_config
     ships) over several key blocks and two compute warpgroups, with a
     per-head mask and causal."""
-    check_case(make_case(b=1, hq=2, hkv=1, l=70, s=130, e=256, ev=200, dtype=BF16,
+    check_case(make_case(b=1, hq=2, hkv=1, l=65, s=100, e=256, ev=200, dtype=BF16,
                          mask="heads", causal=True))
+
+
+def test_simulated_persistent_grid_with_several_programs():
+    """Two programs share eight tiles (2 heads x 4 query blocks of 64 rows,
+    causal: the longest first): each runs a pipeline per tile on the same
+    barriers and SMEM."""
+    case = make_case(b=1, hq=2, hkv=1, l=200, s=70, e=32, causal=True, dtype=F16,
+                     mask="heads")
+    config = forward.AttentionConfig(block_q=64, block_kv=64, max_concurrent_steps=2,
+                                     compute_wgs=1, num_programs=2)
+    q, k, v, mask = (jnp.asarray(t.float().numpy(), jnp.float16) for t in case.inputs)
+    interpret = jax_env.gpu_interpret_params(detect_races=False)
+    try:
+        o, lse = jax.jit(lambda *a: forward.attention(*a, scale=case.scale, causal=True,
+                                                      config=config, interpret=interpret))(
+            q, k, v, mask)
+        o, lse = jax.block_until_ready((o, lse))
+    except Exception:
+        jax_env.reset_simulator("mosaic_gpu")
+        raise
+    ref, errors = torch_error(case)
+    check_forward(case, torch.from_dlpack(o.astype(jnp.float32)).to(F16),
+                  torch.from_dlpack(lse), ref, errors)
 
 
 def test_causal_never_reads_key_blocks_above_the_diagonal():
     """Keys and values past the first 128 are NaN: a causal call for 64
     query rows must never load them (even a zero weight times NaN is NaN);
     the dK/dV kernel gives those keys exact zeros (no query sees them)."""
-    case = make_case(b=1, hq=2, hkv=1, l=64, s=300, e=32, causal=True, dtype=F16)
+    case = make_case(b=1, hq=2, hkv=1, l=64, s=200, e=32, causal=True, dtype=F16)
     do = torch.randn(case.q.shape).to(case.q.dtype)
     ref, errors = torch_error(case, do)
     k, v = case.k.clone(), case.v.clone()

@@ -4,9 +4,11 @@ online softmax, the contract of kernels/attention_shapes.py.
 Algorithm (FlashAttention-2, Dao 2023, arXiv:2307.08691; the Hopper
 structure after FlashAttention-3, Shah et al. 2024, arXiv:2407.08608):
 
-- Parallel grid: one program per `compute_wgs * block_q` query rows of each
-  (batch, query head). Query head h reads key/value head h // G (GQA) by
-  index; nothing is repeated in memory.
+- Tiles: `compute_wgs * block_q` query rows of one (batch, query head).
+  A persistent grid of `num_programs` programs (one per SM) loops
+  (`plgpu.nd_loop`) over them, query blocks of a head consecutive (they
+  share its K and V in L2), causal ones longest first. Query head h reads
+  key/value head h // G (GQA) by index; nothing is repeated in memory.
 - Warp specialization (`plgpu.emit_pipeline_warp_specialized`): a memory
   warpgroup streams (block_kv, E) K and (block_kv, Ev) V tiles (and the
   program's (rows, block_kv) mask tile, if any) GMEM -> SMEM by TMA,
@@ -18,8 +20,8 @@ structure after FlashAttention-3, Shah et al. 2024, arXiv:2407.08608):
   the query (causal) set to -inf; the running row maximum m and sum l
   (float32) rescale the output accumulator by exp2(m_old - m_new); P =
   exp2(s - m), cast to the input dtype, and `wgmma` adds P V.
-- Causal: key blocks entirely above the program's diagonal are never loaded
-  (the pipeline's length is its last visible key block).
+- Causal: key blocks entirely above a tile's diagonal are never loaded (its
+  pipeline's length is its last visible key block).
 - Epilogue: o = acc / l (0 for a row with no visible key) leaves through the
   Q tile's SMEM by TMA; lse = m + log l (natural log; +inf for such a row)
   from the registers.
@@ -66,6 +68,8 @@ class AttentionConfig:
     block_kv: int
     max_concurrent_steps: int  # K/V (and mask) tiles in flight
     compute_wgs: int = 2
+    # Programs of the persistent grid (one per SM of the GPU); None: one per tile.
+    num_programs: int | None = None
 
     @classmethod
     def default(cls, backend: str) -> "AttentionConfig":
@@ -106,24 +110,23 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
     """q_gmem (B, Hq, Lp, Ep); k_gmem (B, Hkv, Sp, Ep), or (B, Hkv, Ep, Sp)
     in the simulator; v_gmem (B, Hkv, Sp, Evp); mask (Bm, Hm, Lp, Sp) when
     `has_mask`; outputs o (B, Hq, Lp, Evp) and lse (B, Hq, Lp) float32.
-    Threads: `config.compute_wgs` compute warpgroups, then the memory one."""
+    Threads: `config.compute_wgs` compute warpgroups, then the memory one;
+    each program loops over its share of the (batch, head, query block)
+    tiles."""
     mask_gmem, (o_gmem, lse_gmem) = (refs[0], refs[1:]) if has_mask else (None, refs)
-    bq, bk, wgs = config.block_q, config.block_kv, config.compute_wgs
-    b, h, qi = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("q")
-    kv_head = h // group
-    first_row = qi * config.block_rows
-    e, ev = q_gmem.shape[-1], v_gmem.shape[-1]
+    bq, bk, wgs, rows = config.block_q, config.block_kv, config.compute_wgs, config.block_rows
+    batch, q_heads, lp, e = q_gmem.shape
+    ev = v_gmem.shape[-1]
+    q_blocks = lp // rows
     dtype = q_gmem.dtype
     transforms = tile_transforms(dtype)
     kv_blocks = cdiv(kv_len, bk)
     ragged = kv_len % bk != 0
-    if causal:  # key blocks past this program's last query row are never loaded
-        kv_steps = jnp.minimum(kv_blocks, (first_row + config.block_rows + bk - 1) // bk)
-    else:
-        kv_steps = kv_blocks
+    # A static pipeline shrinks to its length; every tile's must match the allocation.
+    steps = min(config.max_concurrent_steps, kv_blocks)
     score_scale = scale * LOG2E
 
-    def step(q_tiles, p_tiles, indices, k_smem, v_smem, *rest):
+    def step(first_row, q_tiles, p_tiles, indices, k_smem, v_smem, *rest):
         mask_smem, carry = (rest[0], rest[1]) if has_mask else (None, rest[0])
         (j,) = indices
         wg = jax.lax.axis_index("wg")
@@ -134,7 +137,7 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
             return s_acc[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32)) * score_scale
-        if has_mask:  # this warpgroup's rows of the program's mask tile
+        if has_mask:  # this warpgroup's rows of the tile's mask block
             s = s + mask_smem.at[pl.ds(wg * bq, bq)][...].astype(jnp.float32) * LOG2E
         s = visible(s, target, row0=first_row + wg * bq, col0=j * bk, kv_len=kv_len,
                     causal=causal, ragged=ragged)
@@ -153,11 +156,11 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
         acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, ev), jnp.float32))
         return acc, m_new, l
 
-    def compute(q_tiles, o_tiles, q_barriers, run_pipeline):
-        """One compute warpgroup: its Q tile in, the loop, its O and lse out."""
+    def compute(b, h, first_row, q_tiles, o_tiles, q_barriers, run_pipeline):
+        """One compute warpgroup's tile: its Q rows in, the loop, O and lse out."""
         wg = jax.lax.axis_index("wg")
-        rows = pl.ds(first_row + wg * bq, bq)
-        plgpu.copy_gmem_to_smem(q_gmem.at[b, h, rows], q_tiles.at[wg], q_barriers.at[wg])
+        wg_rows = pl.ds(first_row + wg * bq, bq)
+        plgpu.copy_gmem_to_smem(q_gmem.at[b, h, wg_rows], q_tiles.at[wg], q_barriers.at[wg])
         plgpu.barrier_wait(q_barriers.at[wg])
         acc, m, l = run_pipeline((target.tile(jnp.zeros((bq, ev), jnp.float32)),
                                   target.rows(jnp.full((bq,), -jnp.inf, jnp.float32)),
@@ -168,39 +171,60 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
         o_smem = o_tiles.at[wg]
         o_smem[...] = (acc * jax.lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(dtype)
         # lse straight from the registers: 256 bytes, not worth an SMEM tile
-        lse_gmem.at[b, h, rows][...] = jnp.where(empty, jnp.inf,
-                                                 (m + jnp.log2(safe_l)) * (1.0 / LOG2E))
+        lse_gmem.at[b, h, wg_rows][...] = jnp.where(empty, jnp.inf,
+                                                    (m + jnp.log2(safe_l)) * (1.0 / LOG2E))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, rows])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, wg_rows])
+        plgpu.wait_smem_to_gmem(0)  # the Q/O tile is reused by the next tile
 
-    in_specs = [
-        plgpu.BlockSpec(target.transposed_shape(bk, e),
-                        (lambda j: (j, 0)) if target.hardware else (lambda j: (0, j)),
-                        transforms=transforms),
-        plgpu.BlockSpec((bk, ev), lambda j: (j, 0), transforms=transforms),
-    ]
-    kv_refs = [k_gmem.at[b, kv_head], v_gmem.at[b, kv_head]]
-    if has_mask:  # one (rows, block_kv) tile per step for all warpgroups
-        in_specs.append(plgpu.BlockSpec((config.block_rows, bk), lambda j: (qi, j),
-                                        transforms=tile_transforms(mask_gmem.dtype)))
-        kv_refs.append(mask_view(mask_gmem, b, h))
-
-    def scoped(q_tiles, o_tiles, p_tiles, q_barriers):
-        o_tiles = q_tiles if o_tiles is None else o_tiles  # Q's tile is free after the loop
-        plgpu.emit_pipeline_warp_specialized(
-            functools.partial(step, q_tiles, p_tiles),
+    def pipeline(b, h, qi, q_tiles, o_tiles, p_tiles, q_barriers):
+        """The warp-specialized pipeline of tile (b, h, qi), and its GMEM refs."""
+        first_row = qi * rows
+        if causal:  # key blocks past the tile's last query row are never loaded
+            kv_steps = jnp.minimum(kv_blocks, (first_row + rows + bk - 1) // bk)
+        else:
+            kv_steps = kv_blocks
+        in_specs = [
+            plgpu.BlockSpec(target.transposed_shape(bk, e),
+                            (lambda j: (j, 0)) if target.hardware else (lambda j: (0, j)),
+                            transforms=transforms),
+            plgpu.BlockSpec((bk, ev), lambda j: (j, 0), transforms=transforms),
+        ]
+        kv_head = h // group
+        gmem = [k_gmem.at[b, kv_head], v_gmem.at[b, kv_head]]
+        if has_mask:  # one (rows, block_kv) block per step for all warpgroups
+            in_specs.append(plgpu.BlockSpec((rows, bk), lambda j: (qi, j),
+                                            transforms=tile_transforms(mask_gmem.dtype)))
+            gmem.append(mask_view(mask_gmem, b, h))
+        run = plgpu.emit_pipeline_warp_specialized(
+            functools.partial(step, first_row, q_tiles, p_tiles),
             grid=(kv_steps,),
             memory_registers=40,  # the memory warpgroup only issues copies
             in_specs=in_specs,
             wg_axis="wg",
             num_compute_wgs=wgs,
-            max_concurrent_steps=config.max_concurrent_steps,
-            compute_context=functools.partial(compute, q_tiles, o_tiles, q_barriers),
-        )(*kv_refs)
+            max_concurrent_steps=steps,
+            compute_context=functools.partial(compute, b, h, first_row, q_tiles, o_tiles,
+                                              q_barriers),
+        )
+        return run, gmem
 
+    def scoped(allocations, q_tiles, o_tiles, p_tiles, q_barriers):
+        o_tiles = q_tiles if o_tiles is None else o_tiles  # Q's tile is free after the loop
+
+        @plgpu.nd_loop((batch, q_heads, q_blocks), collective_axes="programs")
+        def _(loop):
+            b, h, qi = loop.index
+            if causal:  # the longest tiles first: programs finish closer together
+                qi = q_blocks - 1 - qi
+            run, gmem = pipeline(b, h, qi, q_tiles, o_tiles, p_tiles, q_barriers)
+            run(*gmem, allocations=allocations)
+
+    zero = jnp.int32(0)
+    example, example_gmem = pipeline(zero, zero, zero, None, None, None, None)
     pl.run_scoped(
         scoped,
+        example.get_allocations(*example_gmem),
         plgpu.SMEM((wgs, bq, e), dtype, transforms=transforms),
         None if e == ev else plgpu.SMEM((wgs, bq, ev), dtype, transforms=transforms),
         None if target.hardware else plgpu.SMEM((wgs, bq, bk), dtype, transforms=transforms),
@@ -221,8 +245,7 @@ def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: Attenti
                          f"the kernel takes one of {SUPPORTED_DTYPES}")
     config.check(q.dtype, dims.head_dim, dims.value_dim, None if mask is None else mask.dtype)
     target = Target.of(interpret)
-    bq, bk = config.block_q, config.block_kv
-    lp, sp = round_up(dims.q_len, config.block_rows), round_up(dims.kv_len, bk)
+    lp, sp = round_up(dims.q_len, config.block_rows), round_up(dims.kv_len, config.block_kv)
     e, ev = padded_head_dim(dims.head_dim), padded_head_dim(dims.value_dim)
     q = pad_rows(q, lp, e)
     k = pad_rows(k, sp, e)
@@ -233,6 +256,7 @@ def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: Attenti
     if mask is not None:
         operands.append(pad_rows(mask, lp, sp))
     b, hq = dims.batch, dims.q_heads
+    tiles = b * hq * (lp // config.block_rows)
     o, lse = plgpu.kernel(
         functools.partial(
             attention_kernel, scale=float(scale), causal=bool(causal), kv_len=dims.kv_len,
@@ -240,8 +264,8 @@ def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: Attenti
         ),
         out_type=(jax.ShapeDtypeStruct((b, hq, lp, ev), q.dtype),
                   jax.ShapeDtypeStruct((b, hq, lp), jnp.float32)),
-        grid=(lp // config.block_rows, hq, b),
-        grid_names=("q", "h", "b"),
+        grid=(min(tiles, config.num_programs or tiles),),
+        grid_names=("programs",),
         num_threads=config.compute_wgs + 1,
         thread_name="wg",
         interpret=interpret,
@@ -270,12 +294,16 @@ def config_for(dtype, q_len: int, head_dim: int, value_dim: int,
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     """Per query length, head dims and mask dtype (the shared memory they
-    need); the same on the hardware and in the simulator."""
+    need), the same on the hardware and in the simulator; on a GPU one
+    program per SM of `device`, in the simulator one program (which compiles
+    each warpgroup's code once per program)."""
     (q_shape, dtype), (k_shape, _), (v_shape, _) = avals[:3]
     mask_dtype = avals[3][1] if len(avals) > 3 else None
     if dtype not in SUPPORTED_DTYPES:
         return AttentionConfig.default(backend)
-    return config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1], mask_dtype)
+    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1], mask_dtype)
+    programs = getattr(device, "core_count", None) if backend == "mosaic_gpu" else 1
+    return dataclasses.replace(config, num_programs=programs)
 
 
 def unsupported(backend: str, avals, params) -> str | None:

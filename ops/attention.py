@@ -135,7 +135,8 @@ def _canonical_mask(mask: torch.Tensor, dtype, outer, heads: int, length: int,
             f"{OP}: attn_mask.shape={tuple(mask.shape)} does not broadcast to the "
             f"attention scores' shape {scores} (batch..., heads, L, S)")
     if mask.dtype == torch.bool:  # True: take part in attention
-        mask = torch.zeros((), dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+        # (not `~mask`: a bool NOT of fake CUDA tensors fails in AOT export)
+        mask = torch.full_like(mask, float("-inf"), dtype=dtype).masked_fill(mask, 0.0)
     mask = mask.reshape((1,) * (len(scores) - mask.dim()) + tuple(mask.shape))
     batched = any(size != 1 for size in mask.shape[:len(outer)])
     mask_outer = tuple(outer) if batched else (1,) * len(outer)

@@ -251,3 +251,84 @@ def test_launches_trace_into_triton_kernels_on_cuda_tensors():
         "attention_dq_kernel:Autotuner", "attention_dq_kernel:JITFunction",
         "attention_kernel:Autotuner", "attention_kernel:JITFunction",
     ], out
+
+
+HEAD_TILES = (16, 32, 64, 128, 256)
+
+
+@pytest.mark.parametrize("itemsize", [2, 4], ids=["16-bit", "float32"])
+def test_autotune_candidates_fit_every_head_tile(itemsize):
+    """Per head tile, the autotuner is offered only configs whose estimated
+    shared memory and registers fit, always including the smallest (which
+    fits every GPU since Ampere), and never the 128-row tiles a 256-wide
+    float32 head cannot hold."""
+    smallest = {"BLOCK_M": 16, "BLOCK_N": 16}
+    for choose in (forward_kernel.forward_configs, backward_kernel.dkdv_configs,
+                   backward_kernel.dq_configs):
+        for block_e in HEAD_TILES:
+            for block_ev in HEAD_TILES:
+                configs = choose(block_e, block_ev, itemsize)
+                assert configs[-1].kwargs == smallest, (choose.__name__, block_e, block_ev)
+                if max(block_e, block_ev) <= 64 and itemsize == 2:
+                    assert len(configs) >= 6, (choose.__name__, block_e, block_ev)
+    wide = forward_kernel.forward_configs(256, 256, 4)
+    assert all(c.kwargs["BLOCK_M"] < 128 for c in wide)
+    assert any(c.kwargs["BLOCK_M"] == 128 for c in forward_kernel.forward_configs(64, 64, 2))
+
+
+def test_autotuned_launches_share_one_autotuner_per_head_tile():
+    """Autotuning state (the timings) is kept per head tile and operand size."""
+    get = forward_kernel.attention_kernel_autotuned
+    assert get(64, 64, 2) is get(64, 64, 2)
+    assert get(64, 64, 2) is not get(64, 64, 4)
+    assert get(64, 64, 2).fn is forward_kernel.attention_kernel
+    assert backward_kernel.attention_dq_kernel_autotuned(128, 64, 2).fn is \
+        backward_kernel.attention_dq_kernel
+
+
+# Compiles each kernel for a Hopper GPU (Triton's compiler needs no GPU):
+# the interpreter never type-checks the kernels as the compiler does.
+COMPILE = textwrap.dedent(
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from torch_pallas.kernels.triton import attention as fwd, attention_backward as bwd
+
+    def build(fn, dtype, meta, num_warps=4, num_stages=2):
+        signature, constants = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in meta:
+                signature[name] = "constexpr"
+                constants[(i,)] = meta[name]
+            elif name.endswith("_ptr"):
+                signature[name] = "*fp32" if name in ("lse_ptr", "delta_ptr") else dtype
+            else:
+                signature[name] = "fp32" if name == "scale" else "i32"
+        return triton.compile(ASTSource(fn, signature, constants),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps, num_stages=num_stages))
+
+    for dtype, on in (("*bf16", True), ("*fp32", False)):
+        meta = dict(HAS_MASK=on, CAUSAL=on, BLOCK_E=64, BLOCK_EV=32, UPCAST=False,
+                    INPUT_PRECISION="ieee", BLOCK_M=32, BLOCK_N=32)
+        for fn in (fwd.attention_kernel, bwd.attention_dkdv_kernel, bwd.attention_dq_kernel):
+            print("BUILT", fn.__name__, dtype, build(fn, dtype, meta).metadata.shared)
+    print("BUILT attention_delta_kernel *bf16",
+          build(bwd.attention_delta_kernel, "*bf16", dict(BLOCK_M=64, BLOCK_EV=32)).metadata.shared)
+    """
+)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_the_gpu():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
+    out = subprocess.run([sys.executable, "-c", COMPILE], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    built = [line.split() for line in out.splitlines() if line.startswith("BUILT")]
+    assert [b[1:3] for b in built] == [
+        [name, dtype] for dtype in ("*bf16", "*fp32")
+        for name in ("attention_kernel", "attention_dkdv_kernel", "attention_dq_kernel")
+    ] + [["attention_delta_kernel", "*bf16"]], out
+    assert all(int(b[3]) <= 99 * 1024 for b in built), out  # shared memory of any GPU

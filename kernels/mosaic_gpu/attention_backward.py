@@ -2,30 +2,36 @@
 two-kernel backward, the contract of kernels/attention_shapes.py.
 
 Algorithm (FlashAttention-2, Dao 2023, arXiv:2307.08691, Algorithm 2; the
-dq kernel apart, as FlashAttention-3, Shah et al. 2024, arXiv:2407.08608,
-and JAX's Mosaic GPU attention split it to avoid atomics):
+dQ kernel apart, as FlashAttention-3, Shah et al. 2024, arXiv:2407.08608,
+does it without atomics; the warp-specialized Hopper structure after both):
 
 - delta = rowsum(dO * O) (float32) and lse in base 2 are prepared by XLA;
   they are (B, Hq, L) vectors, never an (L, S) tensor.
-- dK, dV kernel: one program (one warpgroup) per `block_kv` keys of each
-  (batch, key/value head). K and V tiles are copied to SMEM once; then
-  `plgpu.emit_pipeline` streams, for each of the G query heads sharing
-  this key/value head and each query block that can see these keys
-  (causal: from the diagonal on), the Q and dO tiles and the lse, delta
-  (and mask) blocks by TMA, while each step recomputes S = Q Kᵀ, P =
-  exp2(s - lse), and with dP = dO Vᵀ, dS = P * (dP - delta), adds Pᵀ dO
-  to dV and dSᵀ Q to dK in float32 `wgmma` accumulators that live across
-  the whole loop (so the G heads' sum costs nothing).
-- dQ kernel: one program per `block_q` query rows of each (batch, query
-  head); Q, dO, lse, delta loaded once; K, V (and mask) tiles streamed over
-  the visible key blocks (causal: up to the diagonal); dQ += dS K.
-- dK and dQ are scaled once at the end; every product accumulates in
-  float32, P and dS enter wgmma in the input dtype.
+- dK, dV kernel: tiles of `compute_wgs * block_kv` keys of one (batch,
+  key/value head); each compute warpgroup owns `block_kv` of them, its K
+  and V tiles copied to SMEM once. A memory warpgroup
+  (`plgpu.emit_pipeline_warp_specialized`) streams, for each of the G query
+  heads sharing the key/value head and each query block that can see the
+  tile's keys (causal: from the diagonal on), the Q and dO tiles and the
+  lse, delta (and mask) blocks by TMA, shared by the compute warpgroups;
+  each step recomputes S = Q Kᵀ and P = exp2(s - lse), with dP = dO Vᵀ
+  and dS = P * (dP - delta) adds Pᵀ dO to dV and dSᵀ Q to dK in float32
+  `wgmma` accumulators that live across the whole loop (so the G heads'
+  sum costs nothing), and dK, dV leave through the K, V tiles by TMA.
+- dQ kernel: tiles of `compute_wgs * block_q` query rows of one (batch,
+  query head); each compute warpgroup loads its Q, dO, lse, delta once; K,
+  V (and mask) tiles are streamed over the visible key blocks (causal: up
+  to the diagonal); dQ += dS K, dS from the registers.
+- Both kernels run on persistent grids (`plgpu.nd_loop` over the tiles, one
+  program per SM; causal tiles longest first). dK and dQ are scaled once at
+  the end; every product accumulates in float32, P and dS enter wgmma in
+  the input dtype.
 
 Staging (Kᵀ, Vᵀ read in place, Pᵀ and dSᵀ read from their SMEM tiles
-transposed on the hardware; transposed by XLA or when stored in the
-simulator) and padding as attention_blocks.py describes. float32 is refused
-(`unsupported`), as for the forward.
+transposed, dS from the registers on the hardware; transposed by XLA or
+when stored, and through SMEM, in the simulator) and padding as
+attention_blocks.py describes. float32 is refused (`unsupported`), as for
+the forward.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     Target,
     fits_smem,
     itemsize,
+    mask_view,
     pad_rows,
     padded_head_dim,
     tile_transforms,
@@ -56,34 +63,41 @@ from torch_pallas.kernels.spec import KernelSpec
 
 @dataclasses.dataclass(frozen=True)
 class BackwardConfig:
-    """Knobs of both kernels: the dK/dV kernel owns `block_kv` keys and
-    streams `block_q` query rows; the dQ kernel the other way round."""
+    """Knobs of both kernels. The dK/dV kernel's compute warpgroups own
+    `block_kv` keys each and stream `block_q` query rows; the dQ kernel's
+    own `block_q` query rows each and stream `block_kv` keys."""
 
     block_q: int
     block_kv: int
     max_concurrent_steps: int  # tiles in flight in either pipeline
+    compute_wgs: int = 2
+    # Programs of the persistent grids (one per SM of the GPU); None: one per tile.
+    num_programs: int | None = None
 
     @classmethod
     def default(cls, backend: str) -> "BackwardConfig":
         return cls(block_q=64, block_kv=64, max_concurrent_steps=2)
 
     def smem_bytes(self, dtype, head_dim: int, value_dim: int, mask_dtype=None) -> dict:
-        """Shared memory of each kernel's main loop and epilogue, the larger."""
+        """Shared memory of each kernel on the hardware (the simulator also
+        stages dS and the outputs apart)."""
         size = itemsize(dtype)
         e, ev = padded_head_dim(head_dim), padded_head_dim(value_dim)
-        bq, bk, steps = self.block_q, self.block_kv, self.max_concurrent_steps
-        mask = 0 if mask_dtype is None else bq * bk * itemsize(mask_dtype)
-        scores = bq * bk * size  # one staged Pᵀ or dSᵀ tile
-        dkv = bk * (e + ev) * size + 2 * scores + steps * (bq * (e + ev) * size + 2 * bq * 4 + mask)
-        dkv = max(dkv, bk * (e + ev) * size)
-        dq = bq * (e + ev) * size + 2 * bq * 4 + steps * (bk * (e + ev) * size + mask)
-        dq = max(dq, bq * e * size)
+        bq, bk, steps, wgs = self.block_q, self.block_kv, self.max_concurrent_steps, self.compute_wgs
+        mask = 0 if mask_dtype is None else wgs * bq * bk * itemsize(mask_dtype)
+        # K, V tiles (dK, dV leave through them), Pᵀ and dSᵀ tiles; Q, dO, lse, delta, mask
+        dkv = wgs * (bk * (e + ev) + 2 * bq * bk) * size + steps * (
+            bq * (e + ev) * size + 2 * bq * 4 + mask)
+        # Q, dO tiles (dQ leaves through Q's), lse, delta; K, V, mask
+        dq = wgs * (bq * (e + ev) * size + 2 * bq * 4) + steps * (bk * (e + ev) * size + mask)
         return {"dkv": dkv, "dq": dq}
 
     def check(self, dtype, head_dim: int, value_dim: int, mask_dtype=None) -> None:
         if self.block_q % 64 or self.block_kv % 64:
             raise ValueError(f"attention backward: {self} needs block_q and block_kv "
                              "multiples of 64 (wgmma rows, 128-byte swizzle of 16-bit tiles)")
+        if self.compute_wgs not in (1, 2):
+            raise ValueError(f"attention backward: {self} needs 1 or 2 compute warpgroups")
         for kernel, nbytes in self.smem_bytes(dtype, head_dim, value_dim, mask_dtype).items():
             if not fits_smem(nbytes):
                 raise ValueError(f"attention backward: {self} needs {nbytes} bytes of shared "
@@ -118,190 +132,266 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
     Sp, Ep) and v_gmem (B, Hkv, Sp, Evp), or both transposed in the
     simulator; lse_gmem (base 2) and delta_gmem (B, Hq, Lp) float32; mask
     (Bm, Hm, Lp, Sp) when `has_mask`. Outputs dk (B, Hkv, Sp, Ep), dv (B,
-    Hkv, Sp, Evp)."""
+    Hkv, Sp, Evp). Each program loops over (batch, key/value head, key
+    block) tiles; each compute warpgroup owns `block_kv` keys of one."""
     mask_gmem, (dk_gmem, dv_gmem) = (refs[0], refs[1:]) if has_mask else (None, refs)
-    bq, bk = config.block_q, config.block_kv
-    b, kv_head, kj = (jax.lax.axis_index(n) for n in ("b", "h", "k"))
-    k0 = kj * bk
+    bq, bk, wgs = config.block_q, config.block_kv, config.compute_wgs
+    tile_keys = wgs * bk
+    batch, kv_heads = dk_gmem.shape[:2]
     e, ev = q_gmem.shape[-1], do_gmem.shape[-1]
+    key_tiles = dk_gmem.shape[2] // tile_keys
+    q_blocks = q_gmem.shape[2] // bq
     dtype = q_gmem.dtype
     transforms = tile_transforms(dtype)
-    q_blocks = q_gmem.shape[2] // bq
-    first_q = k0 // bq if causal else 0  # query blocks before it see none of these keys
-    per_head = jnp.maximum(q_blocks - first_q, 0) if causal else q_blocks
     ragged = kv_len % bk != 0
+    # The pipeline's slots: one allocation serves every tile's pipeline.
+    steps = config.max_concurrent_steps if causal else min(config.max_concurrent_steps,
+                                                           group * q_blocks)
 
-    def head_and_block(t):
-        return kv_head * group + t // per_head, first_q + t % per_head
-
-    def query_spec(cols):
-        return plgpu.BlockSpec((None, bq, cols), lambda t: (*head_and_block(t), 0),
-                               transforms=transforms)
-
-    def row_spec():
-        return plgpu.BlockSpec((None, bq), lambda t: head_and_block(t))
-
-    in_specs = [query_spec(e), query_spec(ev), row_spec(), row_spec()]
-    gmem = [q_gmem.at[b], do_gmem.at[b], lse_gmem.at[b], delta_gmem.at[b]]
-    if has_mask:
-        heads_vary = mask_gmem.shape[1] > 1
-
-        def mask_index(t):
-            h, i = head_and_block(t)
-            return (h if heads_vary else 0, i, kj)
-
-        in_specs.append(plgpu.BlockSpec((None, bq, bk), mask_index,
-                                        transforms=tile_transforms(mask_gmem.dtype)))
-        gmem.append(mask_gmem.at[b if mask_gmem.shape[0] > 1 else 0])
-
-    def step(k_smem, v_smem, pt_smem, dst_smem, dk_acc, dv_acc, indices, q_smem, do_smem,
-             lse_smem, delta_smem, *mask_smem):
+    def step(kj, k_tiles, v_tiles, pt_tiles, dst_tiles, head_and_block, indices, q_smem,
+             do_smem, lse_smem, delta_smem, *rest):
+        mask_smem, carry = (rest[0], rest[1]) if has_mask else (None, rest[0])
+        dk_acc, dv_acc = carry
         (t,) = indices
         _, i = head_and_block(t)
-        s, dp = scores(q_smem, target.transposed(k_smem), do_smem, target.transposed(v_smem),
-                       bq=bq, bk=bk)
-        p = probabilities(s, mask_smem[0][...] if has_mask else None,
-                          target.load_rows(lse_smem), target, score_scale=scale * LOG2E,
-                          row0=i * bq, col0=k0, kv_len=kv_len, causal=causal, ragged=ragged)
-        plgpu.wgmma(dv_acc, target.stage_transposed(p, pt_smem), do_smem)
+        wg = jax.lax.axis_index("wg")
+        s, dp = scores(q_smem, target.transposed(k_tiles.at[wg]), do_smem,
+                       target.transposed(v_tiles.at[wg]), bq=bq, bk=bk)
+        mask_tile = mask_smem.at[:, pl.ds(wg * bk, bk)][...] if has_mask else None
+        p = probabilities(s, mask_tile, target.load_rows(lse_smem), target,
+                          score_scale=scale * LOG2E, row0=i * bq,
+                          col0=kj * tile_keys + wg * bk, kv_len=kv_len, causal=causal,
+                          ragged=ragged)
+        plgpu.wgmma(dv_acc, target.stage_transposed(p, pt_tiles.at[wg]), do_smem)
         delta = target.load_rows(delta_smem)
         ds = p * (dp - jax.lax.broadcast_in_dim(delta, dp.shape, [0]))
-        plgpu.wgmma(dk_acc, target.stage_transposed(ds, dst_smem), q_smem)
-        plgpu.wgmma_wait(0)  # the pipeline reuses Q's and dO's slots next
+        plgpu.wgmma(dk_acc, target.stage_transposed(ds, dst_tiles.at[wg]), q_smem)
+        plgpu.wgmma_wait(0)  # this step's tiles are released when it returns
+        return carry
 
-    def main_loop(dk_acc, dv_acc):
-        def with_kv(k_smem, v_smem, pt_smem, dst_smem, barrier):
-            if target.hardware:
-                k_src = k_gmem.at[b, kv_head, pl.ds(k0, bk)]
-                v_src = v_gmem.at[b, kv_head, pl.ds(k0, bk)]
-            else:
-                k_src = k_gmem.at[b, kv_head, :, pl.ds(k0, bk)]
-                v_src = v_gmem.at[b, kv_head, :, pl.ds(k0, bk)]
-            plgpu.copy_gmem_to_smem(k_src, k_smem, barrier.at[0])
-            plgpu.copy_gmem_to_smem(v_src, v_smem, barrier.at[1])
-            plgpu.barrier_wait(barrier.at[0])
-            plgpu.barrier_wait(barrier.at[1])
-            plgpu.emit_pipeline(
-                functools.partial(step, k_smem, v_smem, pt_smem, dst_smem, dk_acc, dv_acc),
-                grid=(group * per_head,), in_specs=in_specs,
-                max_concurrent_steps=config.max_concurrent_steps,
-            )(*gmem)
+    def compute(b, kv_head, kj, k_tiles, v_tiles, out_tiles, barriers, run_pipeline):
+        """One compute warpgroup's keys: K, V in, the loop, dK, dV out."""
+        wg = jax.lax.axis_index("wg")
+        keys = pl.ds(kj * tile_keys + wg * bk, bk)
+        if target.hardware:
+            k_src, v_src = k_gmem.at[b, kv_head, keys], v_gmem.at[b, kv_head, keys]
+        else:
+            k_src, v_src = k_gmem.at[b, kv_head, :, keys], v_gmem.at[b, kv_head, :, keys]
+        plgpu.copy_gmem_to_smem(k_src, k_tiles.at[wg], barriers.at[wg])
+        plgpu.copy_gmem_to_smem(v_src, v_tiles.at[wg], barriers.at[wgs + wg])
+        plgpu.barrier_wait(barriers.at[wg])
+        plgpu.barrier_wait(barriers.at[wgs + wg])
 
-        pl.run_scoped(
-            with_kv,
-            plgpu.SMEM(target.transposed_shape(bk, e), dtype, transforms=transforms),
-            plgpu.SMEM(target.transposed_shape(bk, ev), dtype, transforms=transforms),
-            plgpu.SMEM(target.transposed_shape(bq, bk), dtype, transforms=transforms),
-            plgpu.SMEM(target.transposed_shape(bq, bk), dtype, transforms=transforms),
-            plgpu.Barrier(num_barriers=2),
-        )
-        return dk_acc[...], dv_acc[...]
+        def accumulate(dk_acc, dv_acc):
+            run_pipeline((dk_acc, dv_acc))
+            return dk_acc[...], dv_acc[...]
 
-    dk, dv = pl.run_scoped(main_loop, plgpu.ACC((bk, e), jnp.float32),
-                           plgpu.ACC((bk, ev), jnp.float32))
-
-    def epilogue(dk_smem, dv_smem):
-        dk_smem[...] = (dk * scale).astype(dtype)
-        dv_smem[...] = dv.astype(dtype)
+        dk, dv = pl.run_scoped(accumulate, plgpu.ACC((bk, e), jnp.float32),
+                               plgpu.ACC((bk, ev), jnp.float32))
+        dk_tiles, dv_tiles = out_tiles
+        dk_tiles.at[wg][...] = (dk * scale).astype(dtype)
+        dv_tiles.at[wg][...] = dv.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dk_smem, dk_gmem.at[b, kv_head, pl.ds(k0, bk)])
-        plgpu.copy_smem_to_gmem(dv_smem, dv_gmem.at[b, kv_head, pl.ds(k0, bk)])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.copy_smem_to_gmem(dk_tiles.at[wg], dk_gmem.at[b, kv_head, keys])
+        plgpu.copy_smem_to_gmem(dv_tiles.at[wg], dv_gmem.at[b, kv_head, keys])
+        plgpu.wait_smem_to_gmem(0)  # the tiles are reused by the next tile
 
-    pl.run_scoped(epilogue, plgpu.SMEM((bk, e), dtype, transforms=transforms),
-                  plgpu.SMEM((bk, ev), dtype, transforms=transforms))
+    def pipeline(b, kv_head, kj, scratch):
+        k_tiles, v_tiles, pt_tiles, dst_tiles, out_tiles, barriers = scratch
+        if causal:  # query blocks before the tile's first key see none of its keys
+            first_q = kj * tile_keys // bq
+            per_head = jnp.maximum(q_blocks - first_q, 0)
+        else:
+            first_q, per_head = 0, q_blocks
+
+        def head_and_block(t):
+            return kv_head * group + t // per_head, first_q + t % per_head
+
+        def query_spec(cols):
+            return plgpu.BlockSpec((None, bq, cols), lambda t: (*head_and_block(t), 0),
+                                   transforms=transforms)
+
+        row_spec = plgpu.BlockSpec((None, bq), head_and_block)
+        in_specs = [query_spec(e), query_spec(ev), row_spec, row_spec]
+        gmem = [q_gmem.at[b], do_gmem.at[b], lse_gmem.at[b], delta_gmem.at[b]]
+        if has_mask:  # one (block_q, keys of the tile) block per step
+            heads_vary = mask_gmem.shape[1] > 1
+
+            def mask_index(t):
+                h, i = head_and_block(t)
+                return (h if heads_vary else 0, i, kj)
+
+            in_specs.append(plgpu.BlockSpec((None, bq, tile_keys), mask_index,
+                                            transforms=tile_transforms(mask_gmem.dtype)))
+            gmem.append(mask_gmem.at[b if mask_gmem.shape[0] > 1 else 0])
+        run = plgpu.emit_pipeline_warp_specialized(
+            functools.partial(step, kj, k_tiles, v_tiles, pt_tiles, dst_tiles, head_and_block),
+            grid=(group * per_head,),
+            memory_registers=40,
+            in_specs=in_specs,
+            wg_axis="wg",
+            num_compute_wgs=wgs,
+            max_concurrent_steps=steps,
+            compute_context=functools.partial(compute, b, kv_head, kj, k_tiles, v_tiles,
+                                              out_tiles, barriers),
+        )
+        return run, gmem
+
+    def scoped(allocations, k_tiles, v_tiles, pt_tiles, dst_tiles, dk_tiles, dv_tiles,
+               barriers):
+        if target.hardware:  # dK and dV leave through the K and V tiles
+            dk_tiles, dv_tiles = k_tiles, v_tiles
+        scratch = (k_tiles, v_tiles, pt_tiles, dst_tiles, (dk_tiles, dv_tiles), barriers)
+
+        @plgpu.nd_loop((batch, kv_heads, key_tiles), collective_axes="programs")
+        def _(loop):
+            b, kv_head, kj = loop.index  # causal: the first key tiles are the longest
+            run, gmem = pipeline(b, kv_head, kj, scratch)
+            run(*gmem, allocations=allocations)
+
+    zero = jnp.int32(0)
+    example, example_gmem = pipeline(zero, zero, zero, (None,) * 6)
+    sim_only = (lambda *shape: None) if target.hardware else (
+        lambda *shape: plgpu.SMEM((wgs, *shape), dtype, transforms=transforms))
+    pl.run_scoped(
+        scoped,
+        example.get_allocations(*example_gmem),
+        plgpu.SMEM((wgs, *target.transposed_shape(bk, e)), dtype, transforms=transforms),
+        plgpu.SMEM((wgs, *target.transposed_shape(bk, ev)), dtype, transforms=transforms),
+        plgpu.SMEM((wgs, *target.transposed_shape(bq, bk)), dtype, transforms=transforms),
+        plgpu.SMEM((wgs, *target.transposed_shape(bq, bk)), dtype, transforms=transforms),
+        sim_only(bk, e),
+        sim_only(bk, ev),
+        plgpu.Barrier(num_barriers=2 * wgs),
+        collective_axes="wg",
+    )
 
 
 def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scale, causal,
               kv_len, group, has_mask, target, config):
     """As dkv_kernel's operands, with K and V as they lie; in the simulator
     Kᵀ (B, Hkv, Ep, Sp) and Vᵀ (B, Hkv, Evp, Sp) follow delta_gmem. Output
-    dq (B, Hq, Lp, Ep)."""
+    dq (B, Hq, Lp, Ep). Each program loops over (batch, query head, query
+    block) tiles; each compute warpgroup owns `block_q` rows of one."""
     if target.hardware:
         kt_gmem = vt_gmem = None
     else:
-        kt_gmem, vt_gmem = refs[0], refs[1]
-        refs = refs[2:]
+        kt_gmem, vt_gmem, *refs = refs
     mask_gmem, (dq_gmem,) = (refs[0], refs[1:]) if has_mask else (None, refs)
-    bq, bk = config.block_q, config.block_kv
-    b, h, qi = (jax.lax.axis_index(n) for n in ("b", "h", "q"))
-    kv_head = h // group
-    q0 = qi * bq
-    e, ev = q_gmem.shape[-1], do_gmem.shape[-1]
+    bq, bk, wgs = config.block_q, config.block_kv, config.compute_wgs
+    tile_rows = wgs * bq
+    batch, q_heads, lp, e = q_gmem.shape
+    ev = do_gmem.shape[-1]
+    q_tiles_n = lp // tile_rows
     dtype = q_gmem.dtype
     transforms = tile_transforms(dtype)
     kv_blocks = cdiv(kv_len, bk)
     ragged = kv_len % bk != 0
-    kv_steps = jnp.minimum(kv_blocks, (q0 + bq + bk - 1) // bk) if causal else kv_blocks
+    steps = min(config.max_concurrent_steps, kv_blocks)
 
-    rows = lambda j: (j, 0)  # noqa: E731
-    cols = lambda j: (0, j)  # noqa: E731
-    if target.hardware:  # K and V once each, read both ways in place
-        in_specs = [plgpu.BlockSpec((bk, e), rows, transforms=transforms),
-                    plgpu.BlockSpec((bk, ev), rows, transforms=transforms)]
-        gmem = [k_gmem.at[b, kv_head], v_gmem.at[b, kv_head]]
-    else:  # K, and Kᵀ and Vᵀ as XLA transposed them
-        in_specs = [plgpu.BlockSpec((bk, e), rows, transforms=transforms),
-                    plgpu.BlockSpec((e, bk), cols, transforms=transforms),
-                    plgpu.BlockSpec((ev, bk), cols, transforms=transforms)]
-        gmem = [k_gmem.at[b, kv_head], kt_gmem.at[b, kv_head], vt_gmem.at[b, kv_head]]
-    if has_mask:
-        in_specs.append(plgpu.BlockSpec((bq, bk), lambda j: (qi, j),
-                                        transforms=tile_transforms(mask_gmem.dtype)))
-        bm, hm = mask_gmem.shape[:2]
-        gmem.append(mask_gmem.at[b if bm > 1 else 0, h if hm > 1 else 0])
-
-    def step(q_smem, do_smem, lse2, delta, ds_smem, dq_acc, indices, *tiles):
+    def step(first_row, q_tiles, do_tiles, ds_tiles, indices, *tiles):
+        *tiles, carry = tiles
+        dq_acc, lse2, delta = carry
         (j,) = indices
-        if target.hardware:
+        wg = jax.lax.axis_index("wg")
+        if target.hardware:  # K and V once each, read both ways in place
             k_smem, v_smem, *mask_smem = tiles
             kt, vt = target.transposed(k_smem), target.transposed(v_smem)
-        else:
+        else:  # K, and Kᵀ and Vᵀ as XLA transposed them
             k_smem, kt, vt, *mask_smem = tiles
-        s, dp = scores(q_smem, kt, do_smem, vt, bq=bq, bk=bk)
-        p = probabilities(s, mask_smem[0][...] if has_mask else None, lse2, target,
-                          score_scale=scale * LOG2E, row0=q0, col0=j * bk, kv_len=kv_len,
-                          causal=causal, ragged=ragged)
+        s, dp = scores(q_tiles.at[wg], kt, do_tiles.at[wg], vt, bq=bq, bk=bk)
+        mask_tile = mask_smem[0].at[pl.ds(wg * bq, bq)][...] if has_mask else None
+        p = probabilities(s, mask_tile, lse2, target, score_scale=scale * LOG2E,
+                          row0=first_row + wg * bq, col0=j * bk, kv_len=kv_len, causal=causal,
+                          ragged=ragged)
         ds = p * (dp - jax.lax.broadcast_in_dim(delta, dp.shape, [0]))
-        plgpu.wgmma(dq_acc, target.operand(ds, dtype, ds_smem), k_smem)
-        plgpu.wgmma_wait(0)  # the pipeline reuses K's slot next
+        ds_operand = target.operand(ds, dtype, None if ds_tiles is None else ds_tiles.at[wg])
+        plgpu.wgmma(dq_acc, ds_operand, k_smem)
+        plgpu.wgmma_wait(0)  # this step's tiles are released when it returns
+        return carry
 
-    def main_loop(dq_acc):
-        def with_q(q_smem, do_smem, lse_smem, delta_smem, ds_smem, barrier):
-            rows_ = pl.ds(q0, bq)
-            plgpu.copy_gmem_to_smem(q_gmem.at[b, h, rows_], q_smem, barrier.at[0])
-            plgpu.copy_gmem_to_smem(do_gmem.at[b, h, rows_], do_smem, barrier.at[1])
-            plgpu.copy_gmem_to_smem(lse_gmem.at[b, h, rows_], lse_smem, barrier.at[2])
-            plgpu.copy_gmem_to_smem(delta_gmem.at[b, h, rows_], delta_smem, barrier.at[3])
-            for i in range(4):
-                plgpu.barrier_wait(barrier.at[i])
-            lse2, delta = target.load_rows(lse_smem), target.load_rows(delta_smem)
-            plgpu.emit_pipeline(
-                functools.partial(step, q_smem, do_smem, lse2, delta, ds_smem, dq_acc),
-                grid=(kv_steps,), in_specs=in_specs,
-                max_concurrent_steps=config.max_concurrent_steps,
-            )(*gmem)
+    def compute(b, h, first_row, q_tiles, do_tiles, lse_tiles, delta_tiles, barriers,
+                run_pipeline):
+        """One compute warpgroup's rows: Q, dO, lse, delta in, the loop, dQ out."""
+        wg = jax.lax.axis_index("wg")
+        rows = pl.ds(first_row + wg * bq, bq)
+        sources = (q_gmem, do_gmem, lse_gmem, delta_gmem)
+        tiles = (q_tiles, do_tiles, lse_tiles, delta_tiles)
+        for n, (src, tile) in enumerate(zip(sources, tiles)):
+            plgpu.copy_gmem_to_smem(src.at[b, h, rows], tile.at[wg], barriers.at[n * wgs + wg])
+        for n in range(len(tiles)):
+            plgpu.barrier_wait(barriers.at[n * wgs + wg])
+        lse2 = target.load_rows(lse_tiles.at[wg])
+        delta = target.load_rows(delta_tiles.at[wg])
 
-        pl.run_scoped(
-            with_q,
-            plgpu.SMEM((bq, e), dtype, transforms=transforms),
-            plgpu.SMEM((bq, ev), dtype, transforms=transforms),
-            plgpu.SMEM((bq,), jnp.float32),
-            plgpu.SMEM((bq,), jnp.float32),
-            None if target.hardware else plgpu.SMEM((bq, bk), dtype, transforms=transforms),
-            plgpu.Barrier(num_barriers=4),
-        )
-        return dq_acc[...]
+        def accumulate(dq_acc):
+            run_pipeline((dq_acc, lse2, delta))
+            return dq_acc[...]
 
-    dq = pl.run_scoped(main_loop, plgpu.ACC((bq, e), jnp.float32))
-
-    def epilogue(dq_smem):
-        dq_smem[...] = (dq * scale).astype(dtype)
+        dq = pl.run_scoped(accumulate, plgpu.ACC((bq, e), jnp.float32))
+        q_tiles.at[wg][...] = (dq * scale).astype(dtype)  # dQ leaves through Q's tile
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dq_smem, dq_gmem.at[b, h, pl.ds(q0, bq)])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.copy_smem_to_gmem(q_tiles.at[wg], dq_gmem.at[b, h, rows])
+        plgpu.wait_smem_to_gmem(0)  # the tiles are reused by the next tile
 
-    pl.run_scoped(epilogue, plgpu.SMEM((bq, e), dtype, transforms=transforms))
+    def pipeline(b, h, qi, scratch):
+        q_tiles, do_tiles, lse_tiles, delta_tiles, ds_tiles, barriers = scratch
+        first_row = qi * tile_rows
+        if causal:  # key blocks past the tile's last row are never loaded
+            kv_steps = jnp.minimum(kv_blocks, (first_row + tile_rows + bk - 1) // bk)
+        else:
+            kv_steps = kv_blocks
+        kv_head = h // group
+        rows = lambda j: (j, 0)  # noqa: E731
+        cols = lambda j: (0, j)  # noqa: E731
+        if target.hardware:
+            in_specs = [plgpu.BlockSpec((bk, e), rows, transforms=transforms),
+                        plgpu.BlockSpec((bk, ev), rows, transforms=transforms)]
+            gmem = [k_gmem.at[b, kv_head], v_gmem.at[b, kv_head]]
+        else:
+            in_specs = [plgpu.BlockSpec((bk, e), rows, transforms=transforms),
+                        plgpu.BlockSpec((e, bk), cols, transforms=transforms),
+                        plgpu.BlockSpec((ev, bk), cols, transforms=transforms)]
+            gmem = [k_gmem.at[b, kv_head], kt_gmem.at[b, kv_head], vt_gmem.at[b, kv_head]]
+        if has_mask:  # one (rows of the tile, block_kv) block per step
+            in_specs.append(plgpu.BlockSpec((tile_rows, bk), lambda j: (qi, j),
+                                            transforms=tile_transforms(mask_gmem.dtype)))
+            gmem.append(mask_view(mask_gmem, b, h))
+        run = plgpu.emit_pipeline_warp_specialized(
+            functools.partial(step, first_row, q_tiles, do_tiles, ds_tiles),
+            grid=(kv_steps,),
+            memory_registers=40,
+            in_specs=in_specs,
+            wg_axis="wg",
+            num_compute_wgs=wgs,
+            max_concurrent_steps=steps,
+            compute_context=functools.partial(compute, b, h, first_row, q_tiles, do_tiles,
+                                              lse_tiles, delta_tiles, barriers),
+        )
+        return run, gmem
+
+    def scoped(allocations, *scratch):
+        @plgpu.nd_loop((batch, q_heads, q_tiles_n), collective_axes="programs")
+        def _(loop):
+            b, h, qi = loop.index
+            if causal:  # the longest tiles first
+                qi = q_tiles_n - 1 - qi
+            run, gmem = pipeline(b, h, qi, scratch)
+            run(*gmem, allocations=allocations)
+
+    zero = jnp.int32(0)
+    example, example_gmem = pipeline(zero, zero, zero, (None,) * 6)
+    pl.run_scoped(
+        scoped,
+        example.get_allocations(*example_gmem),
+        plgpu.SMEM((wgs, bq, e), dtype, transforms=transforms),
+        plgpu.SMEM((wgs, bq, ev), dtype, transforms=transforms),
+        plgpu.SMEM((wgs, bq), jnp.float32),
+        plgpu.SMEM((wgs, bq), jnp.float32),
+        None if target.hardware else plgpu.SMEM((wgs, bq, bk), dtype, transforms=transforms),
+        plgpu.Barrier(num_barriers=4 * wgs),
+        collective_axes="wg",
+    )
 
 
 def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: bool,
@@ -316,8 +406,10 @@ def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: 
                          f"{v.dtype}; the kernel takes one of {SUPPORTED_DTYPES}")
     config.check(q.dtype, dims.head_dim, dims.value_dim, None if mask is None else mask.dtype)
     target = Target.of(interpret)
-    bq, bk = config.block_q, config.block_kv
-    lp, sp = round_up(dims.q_len, bq), round_up(dims.kv_len, bk)
+    wgs = config.compute_wgs
+    # Whole tiles of both kernels: dQ's query rows, dK/dV's keys.
+    lp = round_up(dims.q_len, wgs * config.block_q)
+    sp = round_up(dims.kv_len, wgs * config.block_kv)
     e, ev = padded_head_dim(dims.head_dim), padded_head_dim(dims.value_dim)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     lse2 = pad_rows(lse.astype(jnp.float32) * LOG2E, lp, value=jnp.inf)  # padded rows: P = 0
@@ -330,12 +422,17 @@ def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: 
     static = dict(scale=float(scale), causal=bool(causal), kv_len=dims.kv_len, group=dims.group,
                   has_mask=mask is not None, target=target, config=config)
 
+    def grid(tiles):
+        return (min(tiles, config.num_programs or tiles),)
+
     dk, dv = plgpu.kernel(
         functools.partial(dkv_kernel, **static),
         out_type=(jax.ShapeDtypeStruct((b, hkv, sp, e), q.dtype),
                   jax.ShapeDtypeStruct((b, hkv, sp, ev), q.dtype)),
-        grid=(sp // bk, hkv, b),
-        grid_names=("k", "h", "b"),
+        grid=grid(b * hkv * (sp // (wgs * config.block_kv))),
+        grid_names=("programs",),
+        num_threads=wgs + 1,
+        thread_name="wg",
         interpret=interpret,
     )(q, k if target.hardware else kt, v if target.hardware else vt, do, lse2, delta, *masks)
 
@@ -343,22 +440,28 @@ def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: 
     dq = plgpu.kernel(
         functools.partial(dq_kernel, **static),
         out_type=jax.ShapeDtypeStruct((b, hq, lp, e), q.dtype),
-        grid=(lp // bq, hq, b),
-        grid_names=("q", "h", "b"),
+        grid=grid(b * hq * (lp // (wgs * config.block_q))),
+        grid_names=("programs",),
+        num_threads=wgs + 1,
+        thread_name="wg",
         interpret=interpret,
     )(q, k, v, do, lse2, delta, *transposed, *masks)
     return (dq[:, :, :dims.q_len, :dims.head_dim], dk[:, :, :dims.kv_len, :dims.head_dim],
             dv[:, :, :dims.kv_len, :dims.value_dim])
 
 
-# Preferred first: deep pipelines; 64 x 64 blocks keep dK and dV (or dQ) and
-# four score tiles in one warpgroup's registers.
-CANDIDATES = tuple(BackwardConfig(block_q=64, block_kv=64, max_concurrent_steps=steps)
-                   for steps in (3, 2, 1))
+def candidates(q_len: int) -> tuple[BackwardConfig, ...]:
+    """Configurations in order of preference: two compute warpgroups (one
+    for calls of at most 64 query rows), deep pipelines; 64 x 64 blocks keep
+    dK and dV (or dQ) and the score tiles in one warpgroup's registers."""
+    wgs = (1, 2) if q_len <= 64 else (2, 1)
+    return tuple(BackwardConfig(64, 64, steps, n) for n in wgs for steps in (3, 2)) + (
+        BackwardConfig(64, 64, 1, 1),)
 
 
-def config_for(dtype, head_dim: int, value_dim: int, mask_dtype=None) -> BackwardConfig:
-    for config in CANDIDATES:
+def config_for(dtype, q_len: int, head_dim: int, value_dim: int,
+               mask_dtype=None) -> BackwardConfig:
+    for config in candidates(q_len):
         if all(fits_smem(n) for n in
                config.smem_bytes(dtype, head_dim, value_dim, mask_dtype).values()):
             return config
@@ -367,13 +470,16 @@ def config_for(dtype, head_dim: int, value_dim: int, mask_dtype=None) -> Backwar
 
 
 def select_config(backend: str, avals, params, device=None) -> BackwardConfig:
-    """Per head dims and mask dtype (the shared memory they need); the same
-    on the hardware and in the simulator."""
-    (_, dtype), (k_shape, _), (v_shape, _) = avals[:3]
+    """Per query length, head dims and mask dtype (the shared memory they
+    need), the same on the hardware and in the simulator; on a GPU one
+    program per SM of `device`, in the simulator one program."""
+    (q_shape, dtype), (k_shape, _), (v_shape, _) = avals[:3]
     mask_dtype = avals[6][1] if len(avals) > 6 else None
     if dtype not in SUPPORTED_DTYPES:
         return BackwardConfig.default(backend)
-    return config_for(dtype, k_shape[-1], v_shape[-1], mask_dtype)
+    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1], mask_dtype)
+    programs = getattr(device, "core_count", None) if backend == "mosaic_gpu" else 1
+    return dataclasses.replace(config, num_programs=programs)
 
 
 def unsupported(backend: str, avals, params) -> str | None:

@@ -282,12 +282,11 @@ def _dims(avals):
 
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
-    """On `interpret`, the biggest batched blocks whose scores fit the budget
+    """On `interpret`, batched blocks with cache-sized scores
     (attention_blocks.batched_blocks); TPU blocks elsewhere."""
     if backend != "interpret":
         return AttentionConfig.default(backend)
-    mask_itemsize = blocks_.itemsize(avals[3][1]) if len(avals) > 3 else 0
-    return blocks_.batched_config(_dims(avals), mask_itemsize)
+    return blocks_.batched_config(_dims(avals))
 
 
 KERNEL = KernelSpec(run=attention, default_config=AttentionConfig.default,

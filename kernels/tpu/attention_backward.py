@@ -267,7 +267,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
         heads = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh))
 
         def grads(qi, c0, n, q, do, lse, delta):
-            """(dq, dk, dv) of query block qi against keys c0 .. c0 + n."""
+            """(dq, dkᵀ, dvᵀ) of query block qi against keys c0 .. c0 + n."""
             kv = (*heads, pl.ds(c0, n))
             k, v = k_hbm[kv].astype(jnp.float32), v_hbm[kv].astype(jnp.float32)
             mask = None
@@ -279,20 +279,23 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
                                causal=causal, kv_len=kv_len, padded_kv_len=sp,
                                contract=(4, 3), batch_dims=2)  # (bb, bh, G, bq, n)
             p = jnp.exp(s - lse[..., None])
-            dv = dot(p, do, ((2, 3), (2, 3)), batch_dims=2)  # summed over the group
+            # dk and dv transposed, (E, n): contracting the score block along
+            # its rows as the right operand is XLA CPU's fast layout (about
+            # 1.7x the backward's speed here); both summed over the group.
+            dv_t = dot(do, p, ((2, 3), (2, 3)), batch_dims=2)
             ds = p * (dot(do, v, (4, 3), batch_dims=2) - delta[..., None])
             dq = scale * dot(ds, k, (4, 2), batch_dims=2)
-            dk = scale * dot(ds, q, ((2, 3), (2, 3)), batch_dims=2)
-            return dq, dk, dv
+            dk_t = scale * dot(q, ds, ((2, 3), (2, 3)), batch_dims=2)
+            return dq, dk_t, dv_t
 
         def query_block(qi, dk_dv):
             rows = (*heads, slice(None), pl.ds(qi * bq, bq))
             q, do = q_hbm[rows].astype(jnp.float32), do_hbm[rows].astype(jnp.float32)
             lse, delta = lse_hbm[rows], delta_hbm[rows]
             if nk == 1:
-                dq, dk, dv = grads(qi, 0, sp, q, do, lse, delta)
+                dq, dk_t, dv_t = grads(qi, 0, sp, q, do, lse, delta)
                 dq_hbm[rows] = dq.astype(dq_hbm.dtype)
-                return dk_dv[0] + dk, dk_dv[1] + dv
+                return dk_dv[0] + dk_t, dk_dv[1] + dv_t
 
             def chunk(c, carry):
                 dq, dk_all, dv_all = carry
@@ -300,7 +303,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
                 dq_c, dk_c, dv_c = grads(qi, c0, ck, q, do, lse, delta)
 
                 def add(total, part):
-                    start = (0, 0, c0, 0)
+                    start = (0, 0, 0, c0)
                     old = jax.lax.dynamic_slice(total, start, part.shape)
                     return jax.lax.dynamic_update_slice(total, old + part, start)
 
@@ -309,19 +312,19 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
             chunks = nk
             if causal:  # the chunks holding a key some row of the block sees
                 chunks = jnp.minimum(nk, (qi * bq + bq + ck - 1) // ck)
-            dq, dk, dv = jax.lax.fori_loop(0, chunks, chunk,
-                                           (jnp.zeros(q.shape, jnp.float32), *dk_dv))
+            dq, dk_t, dv_t = jax.lax.fori_loop(0, chunks, chunk,
+                                               (jnp.zeros(q.shape, jnp.float32), *dk_dv))
             dq_hbm[rows] = dq.astype(dq_hbm.dtype)
-            return dk, dv
+            return dk_t, dv_t
 
-        zeros = (jnp.zeros((bb, bh, sp, k_hbm.shape[-1]), jnp.float32),
-                 jnp.zeros((bb, bh, sp, v_hbm.shape[-1]), jnp.float32))
+        zeros = (jnp.zeros((bb, bh, k_hbm.shape[-1], sp), jnp.float32),
+                 jnp.zeros((bb, bh, v_hbm.shape[-1], sp), jnp.float32))
         if nq == 1:
-            dk, dv = query_block(0, zeros)
+            dk_t, dv_t = query_block(0, zeros)
         else:
-            dk, dv = jax.lax.fori_loop(0, nq, query_block, zeros)
-        dk_hbm[heads] = dk.astype(dk_hbm.dtype)
-        dv_hbm[heads] = dv.astype(dv_hbm.dtype)
+            dk_t, dv_t = jax.lax.fori_loop(0, nq, query_block, zeros)
+        dk_hbm[heads] = dk_t.swapaxes(-1, -2).astype(dk_hbm.dtype)
+        dv_hbm[heads] = dv_t.swapaxes(-1, -2).astype(dv_hbm.dtype)
 
     steps = (batch // bb) * (kv_heads // bh)
     if steps == 1:
@@ -386,14 +389,14 @@ def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: 
 
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
-    """On `interpret`, the biggest batched blocks whose scores fit the budget
+    """On `interpret`, batched blocks with cache-sized scores
     (attention_blocks.batched_blocks); TPU blocks elsewhere."""
     if backend != "interpret":
         return AttentionConfig.default(backend)
     shapes = [shape for shape, _ in avals]
     mask = len(avals) > 6
     dims = attention_dims(*shapes[:3], shapes[6] if mask else None)
-    return blocks_.batched_config(dims, blocks_.itemsize(avals[6][1]) if mask else 0)
+    return blocks_.batched_config(dims)
 
 
 KERNEL = KernelSpec(run=attention_backward, default_config=AttentionConfig.default,

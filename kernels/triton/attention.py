@@ -39,6 +39,7 @@ float32 and rounded by torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -57,7 +58,7 @@ SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 class AttentionConfig:
     """Tuning knobs of the forward kernel."""
 
-    autotune: bool  # True: pick among AUTOTUNE_CONFIGS per (E, Ev, L, S, causal)
+    autotune: bool  # True: pick among forward_configs(...) per AUTOTUNE_KEY
     block_m: int = 32  # query rows per program, when not autotuning
     block_n: int = 32  # keys per step, when not autotuning
     num_warps: int = 4
@@ -74,24 +75,63 @@ class AttentionConfig:
         return cls(autotune=not interpreting())
 
 
-def _autotune_configs():
-    configs = []
-    for block_m, block_n, warps, stages in (
-        (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
-        (64, 32, 4, 4), (64, 128, 4, 2), (32, 32, 4, 2),
-        (16, 32, 2, 2),  # decode-like L, and the last resort for 256-wide float32 heads
-        (16, 16, 2, 1),
-    ):
-        configs.append(triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n},
-                                     num_warps=warps, num_stages=stages))
-    return configs
+# Autotuning on CUDA. A config's tiles must fit the GPU: an estimate prunes
+# the candidates per (head-dimension tiles, operand size) before the
+# autotuner compiles them (a float32 256-wide tile of 128 rows would not fit
+# any GPU's shared memory, and compiles for minutes before failing). Configs
+# the estimate keeps but a smaller GPU cannot hold (over 99 KiB on sm86/89)
+# are skipped by the autotuner; the smallest fit every GPU since Ampere (a
+# 256-wide float32 head at 16 x 16: 48-66 KiB in Triton's sm90 builds).
+SHARED_MEMORY_BUDGET = 144 * 1024  # bytes: the estimate plus ~10% fits an A100 (163 KiB)
+REGISTER_BUDGET = 224  # estimated 32-bit tile values per thread (255 at most; spills beyond)
 
 
-# Configs that do not fit in a GPU's shared memory are skipped by the
-# autotuner; the small ones fit every head dimension up to 256 in float32.
-AUTOTUNE_CONFIGS = _autotune_configs()
+def shared_memory_estimate(resident: int, streamed: int, stages: int) -> int:
+    """Bytes of shared memory: tiles loaded once, plus those loaded per step
+    in max(1, stages - 1) buffers (measured from Triton's sm90 builds)."""
+    return resident + streamed * max(1, stages - 1)
+
+
+def fitting_configs(candidates, estimate):
+    """The candidates (BLOCK_M, BLOCK_N, num_warps, num_stages) that fit, as
+    triton.Configs; the last candidate (the smallest) when none does.
+    estimate(block_m, block_n) -> (bytes of the tiles loaded once, bytes of
+    those loaded per step, 32-bit values the program's tiles hold in
+    registers in all)."""
+    kept = []
+    for block_m, block_n, warps, stages in candidates:
+        resident, streamed, values = estimate(block_m, block_n)
+        if (shared_memory_estimate(resident, streamed, stages) <= SHARED_MEMORY_BUDGET
+                and values / (32 * warps) <= REGISTER_BUDGET):
+            kept.append((block_m, block_n, warps, stages))
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+            for m, n, w, st in (kept or candidates[-1:])]
+
+
+# (BLOCK_M query rows per program, BLOCK_N keys per step, warps, stages),
+# largest first; the last fits a 256-wide float32 head on any GPU.
+FORWARD_CANDIDATES = (
+    (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3),
+    (64, 128, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (64, 32, 4, 4), (64, 32, 4, 2),
+    (32, 64, 4, 2), (32, 32, 4, 2), (16, 32, 2, 2), (16, 16, 4, 1),
+)
+
+
+def forward_configs(block_e: int, block_ev: int, itemsize: int) -> list:
+    """The forward's autotuning candidates that fit these head tiles."""
+
+    def estimate(block_m, block_n):
+        q = block_m * block_e * itemsize  # resident
+        kv = block_n * (block_e + block_ev) * itemsize  # per step
+        # acc and the score tile in float32, q in registers
+        values = block_m * block_ev + block_m * block_n + q // 4
+        return q, kv, values
+
+    return fitting_configs(FORWARD_CANDIDATES, estimate)
+
+
 # Tuned per head-dimension tile, sequence-length bucket (a power of two, so
-# that each new length does not retune) and causal.
+# that each new length does not retune), causal and masked.
 AUTOTUNE_KEY = ["BLOCK_E", "BLOCK_EV", "L_BUCKET", "S_BUCKET", "CAUSAL", "HAS_MASK"]
 
 
@@ -200,8 +240,12 @@ def attention_kernel(
     tl.store(lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ll, lse, mask=row_ok)
 
 
-attention_kernel_autotuned = triton.autotune(configs=AUTOTUNE_CONFIGS, key=AUTOTUNE_KEY)(
-    attention_kernel)
+@functools.cache
+def attention_kernel_autotuned(block_e: int, block_ev: int, itemsize: int):
+    """The autotuned kernel for these head tiles (one autotuner each, so that
+    only fitting configs are ever compiled)."""
+    return triton.autotune(configs=forward_configs(block_e, block_ev, itemsize),
+                           key=AUTOTUNE_KEY)(attention_kernel)
 
 
 def head_block(dim: int) -> int:
@@ -262,7 +306,8 @@ def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: Attenti
         return (triton.cdiv(l, meta["BLOCK_M"]), b * hq)
 
     if config.autotune:
-        wrap(attention_kernel_autotuned)[grid](*args, **meta)
+        kernel = attention_kernel_autotuned(meta["BLOCK_E"], meta["BLOCK_EV"], q.element_size())
+        wrap(kernel)[grid](*args, **meta)
     else:
         wrap(attention_kernel)[grid](*args, **meta, BLOCK_M=config.block_m,
                                      BLOCK_N=config.block_n, num_warps=config.num_warps,

@@ -33,6 +33,7 @@ in float32 and rounded by torch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -44,6 +45,7 @@ from torch_pallas.kernels.triton.attention import (
     LOG2E,
     SUPPORTED_DTYPES,
     broadcast_stride,
+    fitting_configs,
     head_block,
     length_bucket,
     round_to_bfloat16,
@@ -56,7 +58,7 @@ class AttentionBackwardConfig:
     """Tuning knobs of the backward kernels (dk/dv and dq share them when
     not autotuning)."""
 
-    autotune: bool  # True: pick among the AUTOTUNE_CONFIGS per (E, Ev, L, S, causal)
+    autotune: bool  # True: pick among dkdv_configs / dq_configs per AUTOTUNE_KEY
     block_m: int = 32  # query rows per step (dk/dv) or per program (dq)
     block_n: int = 32  # keys per program (dk/dv) or per step (dq)
     num_warps: int = 4
@@ -71,23 +73,46 @@ class AttentionBackwardConfig:
         return cls(autotune=not interpreting())
 
 
-def _configs(shapes):
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
-            for m, n, w, st in shapes]
-
-
-# The autotuner skips configs that do not fit a GPU's shared memory; the
-# small ones fit every head dimension up to 256 in float32.
-DKDV_AUTOTUNE_CONFIGS = _configs([
-    # (BLOCK_M: query step, BLOCK_N: keys held per program)
+# Autotuning candidates (BLOCK_M, BLOCK_N, warps, stages), largest first,
+# pruned per head tiles and operand size by the forward's estimate
+# (kernels/triton/attention.py, fitting_configs); the last fits a 256-wide
+# float32 head on any GPU.
+DKDV_CANDIDATES = (  # BLOCK_M: query rows per step, BLOCK_N: keys held per program
     (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2),
-    (16, 64, 4, 2), (16, 32, 4, 2), (16, 16, 2, 1),
-])
-DQ_AUTOTUNE_CONFIGS = _configs([
-    # (BLOCK_M: query rows per program, BLOCK_N: key step)
-    (128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2),
-    (64, 16, 4, 2), (32, 16, 4, 2), (16, 16, 2, 1),
-])
+    (32, 64, 8, 2), (16, 64, 8, 2),  # 8 warps: registers for wide heads' dk, dv
+    (16, 64, 4, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 1),
+)
+DQ_CANDIDATES = (  # BLOCK_M: query rows per program, BLOCK_N: keys per step
+    (128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 32, 8, 2),
+    (64, 16, 4, 2), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 1),
+)
+
+
+def dkdv_configs(block_e: int, block_ev: int, itemsize: int) -> list:
+    """The dk/dv kernel's candidates that fit these head tiles."""
+
+    def estimate(block_m, block_n):
+        kv = block_n * (block_e + block_ev) * itemsize  # resident
+        q_do = block_m * (block_e + block_ev) * itemsize  # per step
+        # dk, dv in float32, k and v, the pᵀ and dpᵀ tiles
+        values = block_n * (block_e + block_ev) + kv // 4 + 2 * block_m * block_n
+        return kv, q_do, values
+
+    return fitting_configs(DKDV_CANDIDATES, estimate)
+
+
+def dq_configs(block_e: int, block_ev: int, itemsize: int) -> list:
+    """The dq kernel's candidates that fit these head tiles."""
+
+    def estimate(block_m, block_n):
+        q_do = block_m * (block_e + block_ev) * itemsize  # resident
+        kv = block_n * (block_e + block_ev) * itemsize  # per step
+        values = block_m * block_e + q_do // 4 + 2 * block_m * block_n  # dq in float32
+        return q_do, kv, values
+
+    return fitting_configs(DQ_CANDIDATES, estimate)
+
+
 AUTOTUNE_KEY = ["BLOCK_E", "BLOCK_EV", "L_BUCKET", "S_BUCKET", "CAUSAL", "HAS_MASK"]
 
 
@@ -302,10 +327,18 @@ def attention_dq_kernel(
              dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_e[None, :] < E))
 
 
-attention_dkdv_kernel_autotuned = triton.autotune(
-    configs=DKDV_AUTOTUNE_CONFIGS, key=AUTOTUNE_KEY)(attention_dkdv_kernel)
-attention_dq_kernel_autotuned = triton.autotune(
-    configs=DQ_AUTOTUNE_CONFIGS, key=AUTOTUNE_KEY)(attention_dq_kernel)
+@functools.cache
+def attention_dkdv_kernel_autotuned(block_e: int, block_ev: int, itemsize: int):
+    """The autotuned dk/dv kernel for these head tiles."""
+    return triton.autotune(configs=dkdv_configs(block_e, block_ev, itemsize),
+                           key=AUTOTUNE_KEY)(attention_dkdv_kernel)
+
+
+@functools.cache
+def attention_dq_kernel_autotuned(block_e: int, block_ev: int, itemsize: int):
+    """The autotuned dq kernel for these head tiles."""
+    return triton.autotune(configs=dq_configs(block_e, block_ev, itemsize),
+                           key=AUTOTUNE_KEY)(attention_dq_kernel)
 
 
 def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: bool,
@@ -366,7 +399,8 @@ def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: 
     dkdv_args = (q, k, v, mask_arg, do, lse, delta, dk, dv, *operand_strides,
                  *dk.stride(), *dv.stride(), hkv, *sizes)
     if config.autotune:
-        wrap(attention_dkdv_kernel_autotuned)[dkdv_grid](*dkdv_args, **meta)
+        kernel = attention_dkdv_kernel_autotuned(block_e, block_ev, q.element_size())
+        wrap(kernel)[dkdv_grid](*dkdv_args, **meta)
     else:
         wrap(attention_dkdv_kernel)[dkdv_grid](*dkdv_args, **meta, **fixed)
 
@@ -375,7 +409,8 @@ def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: 
 
     dq_args = (q, k, v, mask_arg, do, lse, delta, dq, *operand_strides, *dq.stride(), hq, *sizes)
     if config.autotune:
-        wrap(attention_dq_kernel_autotuned)[dq_grid](*dq_args, **meta)
+        kernel = attention_dq_kernel_autotuned(block_e, block_ev, q.element_size())
+        wrap(kernel)[dq_grid](*dq_args, **meta)
     else:
         wrap(attention_dq_kernel)[dq_grid](*dq_args, **meta, **fixed)
 

@@ -137,32 +137,38 @@ def test_interpret_chunked(kw):
 
 
 def test_interpret_bounded_memory():
-    """select_config keeps every float32 score block of the batched body,
-    and the mask rows it reads, within the budget for long sequences; small
-    problems get one whole block."""
-    budget = attention_blocks.SCORE_BUDGET_BYTES
+    """select_config keeps every float32 score block of the batched body (and
+    the mask block read with it) within BLOCK_SCORE_BYTES for long sequences,
+    with key chunks no shorter than MIN_KEY_CHUNK; small problems are packed
+    into few blocks."""
     from torch_pallas.kernels.tpu import attention, attention_backward
 
-    def avals(b, hq, hkv, l, s, e, mask=None):
-        out = [((b, hq, l, e), "float32"), ((b, hkv, s, e), "float32"), ((b, hkv, s, e), "float32")]
-        return tuple(out + ([(mask, "float32")] if mask else []))
+    limit = attention_blocks.BLOCK_SCORE_BYTES
 
-    small = attention.KERNEL.config("interpret", avals(4, 8, 8, 512, 512, 64), {})
-    assert (small.block_b, small.block_h, small.block_q, small.block_k) == (4, 8, 512, 512)
-    for b, hq, hkv, l, s, mask in [(1, 1, 1, 16384, 16384, None), (4, 32, 8, 16384, 16384, None),
-                                   (2, 8, 8, 16384, 16384, (2, 8, 16384, 16384)),
-                                   (1, 64, 1, 8192, 8192, None), (1, 1, 1, 100_000, 64, None)]:
-        dims_avals = avals(b, hq, hkv, l, s, 64, mask)
-        for spec in (attention.KERNEL, attention_backward.KERNEL):
-            shaped = dims_avals if spec is attention.KERNEL else (
-                dims_avals[:3] + (((b, hq, l, 64), "float32"),) * 2 + (((b, hq, l), "float32"),)
-                + dims_avals[3:])
-            cfg = spec.config("interpret", shaped, {})
+    def config(spec, b, hq, hkv, l, s, e=64, mask=False):
+        avals = [((b, hq, l, e), "float32"), ((b, hkv, s, e), "float32"),
+                 ((b, hkv, s, e), "float32")]
+        if spec is attention_backward.KERNEL:
+            avals += [((b, hq, l, e), "float32")] * 2 + [((b, hq, l), "float32")]
+        if mask:
+            avals.append(((b, hq, l, s), "float32"))
+        return spec.config("interpret", tuple(avals), {})
+
+    for spec in (attention.KERNEL, attention_backward.KERNEL):
+        small = config(spec, 2, 4, 2, 37, 45)  # everything in one block
+        assert (small.block_b, small.block_h, small.block_q, small.block_k) == (2, 2, 37, 45)
+        for b, hq, hkv, l, s, mask in [(1, 1, 1, 16384, 16384, False),
+                                       (4, 32, 8, 16384, 16384, False),
+                                       (2, 8, 8, 16384, 16384, True),
+                                       (1, 64, 1, 8192, 8192, False),
+                                       (1, 8, 8, 1, 1_000_000, False),
+                                       (1, 1, 1, 100_000, 64, False)]:
+            cfg = config(spec, b, hq, hkv, l, s, mask=mask)
+            assert cfg.body is Body.BATCHED
             rows = cfg.block_b * cfg.block_h * (hq // hkv) * cfg.block_q
-            assert rows * cfg.block_k * 4 <= budget, (b, hq, l, s, cfg)
-            if mask:
-                assert rows * s * 4 <= budget, (b, hq, l, s, cfg)
-            assert cfg.block_k >= min(s, 256) and cfg.block_q >= 8, cfg
+            assert rows * cfg.block_k * 4 <= limit, (b, hq, hkv, l, s, cfg)
+            assert cfg.block_k >= min(s, attention_blocks.MIN_KEY_CHUNK), cfg
+            assert cfg.block_q >= min(l, 8), cfg
 
 
 # ---------------------------------------------------------------------------

@@ -88,7 +88,9 @@ REGISTER_BUDGET = 224  # estimated 32-bit tile values per thread (255 at most; s
 
 def shared_memory_estimate(resident: int, streamed: int, stages: int) -> int:
     """Bytes of shared memory: tiles loaded once, plus those loaded per step
-    in max(1, stages - 1) buffers (measured from Triton's sm90 builds)."""
+    in max(1, stages - 1) buffers (as Triton's sm90 builds measure; its sm80
+    builds of float32 tiles may take `stages` buffers, and a config that
+    then exceeds the device's limit is skipped by the autotuner)."""
     return resident + streamed * max(1, stages - 1)
 
 
@@ -254,8 +256,13 @@ def head_block(dim: int) -> int:
 
 
 def length_bucket(n: int) -> int:
-    """The autotuning bucket of a sequence length."""
-    return triton.next_power_of_2(n)
+    """The autotuning bucket of a sequence length: the next power of two
+    (plain comparisons, so that a symbolic length under torch.compile's
+    dynamic shapes is only guarded to its bucket)."""
+    bucket = 1
+    while bucket < n:
+        bucket *= 2
+    return bucket
 
 
 def broadcast_stride(t, dim: int) -> int:

@@ -179,11 +179,12 @@ TPU_SMALL = AttentionConfig(Body.PIPELINED, block_q=16, block_k=128,
                             head_multiple=attention_blocks.LANES)
 
 TPU_CASES = {
-    # dk/dv's grid (1, 1, 2, 2 * 3) splits the key blocks over the cores.
-    "gqa_causal_heads_mask": dict(b=1, hq=2, hkv=1, l=40, s=200, e=8, causal=True,
-                                  mask="heads"),
+    # dk/dv's grid (1, 1, 2, 2 * 2) splits the key blocks over the cores.
+    "gqa_causal_bf16_f32_heads_mask": dict(b=1, hq=2, hkv=1, l=24, s=150, e=8, causal=True,
+                                           mask="heads", dtype=torch.bfloat16,
+                                           mask_dtype=torch.float32),
     # B = Hq = 1: the 3 query blocks split unevenly over the cores.
-    "one_head_causal_empty_rows": dict(b=1, hq=1, hkv=1, l=40, s=45, e=24, ev=8, causal=True,
+    "one_head_causal_empty_rows": dict(b=1, hq=1, hkv=1, l=40, s=20, e=24, ev=8, causal=True,
                                        mask="empty_rows"),
 }
 
@@ -191,3 +192,42 @@ TPU_CASES = {
 @pytest.mark.parametrize("kw", TPU_CASES.values(), ids=TPU_CASES.keys())
 def test_tpu_interpret_race_free(kw):
     check("tpu_interpret", make_case(**kw), config=TPU_SMALL, detect_races=True)
+
+
+# ---------------------------------------------------------------------------
+# Lowered for a TPU (2 TensorCores): every primitive has a Mosaic lowering
+
+LOWERED = {  # (dtype, Hkv, mask shape and dtype or None, causal), B=2, Hq=4, L=300, S=200
+    "float32_gqa_causal": ("float32", 2, None, True),
+    "bfloat16_mqa_heads_mask_f32": ("bfloat16", 1, ((1, 4), "float32"), False),
+    "float16_batch_mask_causal": ("float16", 4, ((2, 1), "float16"), True),
+}
+
+
+@pytest.mark.parametrize("dtype,hkv,mask,causal", LOWERED.values(), ids=LOWERED.keys())
+def test_tpu_lowering(dtype, hkv, mask, causal):
+    import jax
+    import jax.numpy as jnp
+
+    from torch_pallas.kernels.tpu import attention, attention_backward
+
+    jax_env.simulate_tpu_on_cpu()  # the chip's description, for the pipelines
+
+    def aval(shape, dt):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+
+    b, hq, l, s, e, ev = 2, 4, 300, 200, 64, 40
+    fwd = [aval((b, hq, l, e), dtype), aval((b, hkv, s, e), dtype), aval((b, hkv, s, ev), dtype)]
+    extra = [aval((*mask[0], l, s), mask[1])] if mask else []
+    bwd = fwd + [aval((b, hq, l, ev), dtype)] * 2 + [aval((b, hq, l), "float32")] + extra
+    fwd = fwd + extra
+    for spec, avals in ((attention.KERNEL, fwd), (attention_backward.KERNEL, bwd)):
+        config = spec.config("tpu", tuple((a.shape, str(a.dtype)) for a in avals), {})
+        assert config.body is Body.PIPELINED
+
+        def f(*args, spec=spec, config=config):
+            return spec.run(*args, scale=0.125, causal=causal, config=config, num_cores=2,
+                            interpret=None)
+
+        text = jax.jit(f).trace(*avals).lower(lowering_platforms=("tpu",)).as_text()
+        assert "tpu_custom_call" in text, "no Mosaic TPU kernel in the lowered module"

@@ -19,11 +19,37 @@ from attention_reference import Case, bound, make_case, reference, run_kernel, t
 from helpers import assert_within
 from torch_pallas.kernels.triton import attention as forward_kernel
 from torch_pallas.kernels.triton import attention_backward as backward_kernel
+from torch_pallas.kernels.triton import interpreting
 
 FORWARD = "torch_pallas.kernels.triton.attention"
 BACKWARD = "torch_pallas.kernels.triton.attention_backward"
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# Where the kernels run: Triton's CPU interpreter (conftest.py sets it where
+# there is no GPU), else the GPU.
+DEVICE = torch.device("cpu" if interpreting() else "cuda")
+
+
+def to_device(t: torch.Tensor) -> torch.Tensor:
+    """t on DEVICE in the same layout (strides, offset, stride-0 dimensions)."""
+    if t.device == DEVICE:
+        return t
+    storage = torch.as_strided(t, (t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+    return storage.to(DEVICE).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def launch(module: str, inputs, config=None, **params):
+    """A kernel file's outputs, on the CPU, for `inputs` on DEVICE: as the
+    triton backend runs it (tests/attention_reference.py, run_kernel), or
+    with an explicit config."""
+    inputs = tuple(to_device(t) for t in inputs)
+    if config is None:
+        out = run_kernel(module, "triton", inputs, **params)
+    else:
+        run = forward_kernel.attention if module == FORWARD else backward_kernel.attention_backward
+        out = run(*inputs, **params, config=config)
+    return tuple(t.cpu() for t in out)
 
 # (id, make_case keywords): each a ragged canonical call.
 CASES = [
@@ -65,7 +91,7 @@ def check_forward(case, o, lse):
 @pytest.mark.parametrize("kwargs", [c[1] for c in CASES], ids=[c[0] for c in CASES])
 def test_forward_matches_float64(kwargs):
     case = make_case(**kwargs)
-    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=case.causal)
+    o, lse = launch(FORWARD, case.inputs, scale=case.scale, causal=case.causal)
     check_forward(case, o, lse)
 
 
@@ -73,7 +99,7 @@ def test_forward_matches_float64(kwargs):
 @pytest.mark.parametrize("dtype", [F32, F16])
 def test_forward_head_dim_256(dtype):
     case = make_case(b=1, hq=2, hkv=1, l=17, s=40, e=256, ev=200, dtype=dtype, mask="shared")
-    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=case.causal)
+    o, lse = launch(FORWARD, case.inputs, scale=case.scale, causal=case.causal)
     check_forward(case, o, lse)
 
 
@@ -86,8 +112,7 @@ def test_forward_walks_many_key_blocks(causal):
     running sums many times; causal rows stop at the diagonal."""
     case = make_case(b=1, hq=2, hkv=1, l=100, s=100, e=32, causal=causal, mask="full",
                      dtype=F16, mask_dtype=F32)
-    o, lse = forward_kernel.attention(*case.inputs, scale=case.scale, causal=causal,
-                                      config=SMALL_BLOCKS)
+    o, lse = launch(FORWARD, case.inputs, SMALL_BLOCKS, scale=case.scale, causal=causal)
     check_forward(case, o, lse)
 
 
@@ -101,7 +126,7 @@ def test_forward_reads_any_layout_in_place():
     mask = torch.randn(l, s).masked_fill(torch.rand(l, s) < 0.3, float("-inf"))
     mask = mask.expand(b, hq, l, s)
     case = Case(q, k, v, mask, causal=True, scale=0.37)
-    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=True)
+    o, lse = launch(FORWARD, case.inputs, scale=case.scale, causal=True)
     check_forward(case, o, lse)
 
 
@@ -109,7 +134,7 @@ def test_forward_float32_mask_on_16_bit_q_is_read_as_float32():
     """A float32 mask keeps values a 16-bit one would round away."""
     case = make_case(l=8, s=24, dtype=BF16, mask="shared", mask_dtype=F32)
     case.mask = case.mask + 1e-3 * torch.randn(case.mask.shape)  # not representable in bfloat16
-    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=False)
+    o, lse = launch(FORWARD, case.inputs, scale=case.scale, causal=False)
     check_forward(case, o, lse)
 
 
@@ -128,12 +153,9 @@ def check_backward(case, do, grads):
 
 def run_backward(case, do, config=None):
     """The forward's o and lse, then the backward kernel on them."""
-    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=case.causal)
+    o, lse = launch(FORWARD, case.inputs, scale=case.scale, causal=case.causal)
     inputs = (case.q, case.k, case.v, o, do, lse) + (() if case.mask is None else (case.mask,))
-    if config is None:
-        return run_kernel(BACKWARD, "triton", inputs, scale=case.scale, causal=case.causal)
-    return backward_kernel.attention_backward(*inputs, scale=case.scale, causal=case.causal,
-                                              config=config)
+    return launch(BACKWARD, inputs, config, scale=case.scale, causal=case.causal)
 
 
 @pytest.mark.parametrize("kwargs", [c[1] for c in CASES], ids=[c[0] for c in CASES])
@@ -162,12 +184,11 @@ def test_backward_reads_any_layout_in_place():
     v = torch.randn(b, s, hkv, e + 8)[..., :e].transpose(1, 2)
     mask = torch.randn(l, s).masked_fill(torch.rand(l, s) < 0.3, float("-inf")).expand(b, hq, l, s)
     case = Case(q, k, v, mask, causal=False, scale=0.37)
-    o, lse = run_kernel(FORWARD, "triton", case.inputs, scale=case.scale, causal=False)
+    o, lse = launch(FORWARD, case.inputs, scale=case.scale, causal=False)
     o = o.transpose(1, 2).contiguous().transpose(1, 2)
     lse = torch.stack([lse, lse], dim=-1)[..., 0]  # stride 2 along L
     do = torch.randn(b, l, hq, e).transpose(1, 2)
-    grads = run_kernel(BACKWARD, "triton", (q, k, v, o, do, lse, mask), scale=case.scale,
-                       causal=False)
+    grads = launch(BACKWARD, (q, k, v, o, do, lse, mask), scale=case.scale, causal=False)
     check_backward(case, do, grads)
 
 
@@ -179,14 +200,15 @@ def test_wrap_triton_runs_the_same_kernels():
     do = random_do(case)
     forward_config = forward_kernel.AttentionConfig.default("triton")
     backward_config = backward_kernel.AttentionBackwardConfig.default("triton")
+    q, k, v, mask, do = map(to_device, (case.q, case.k, case.v, case.mask, do))
     results = []
     for wrap in (backward_kernel.direct, torch.library.wrap_triton):
-        o, lse = forward_kernel.attention(*case.inputs, scale=case.scale, causal=True,
+        o, lse = forward_kernel.attention(q, k, v, mask, scale=case.scale, causal=True,
                                           config=forward_config, wrap=wrap)
         grads = backward_kernel.attention_backward(
-            case.q, case.k, case.v, o, do, lse, case.mask, scale=case.scale, causal=True,
+            q, k, v, o, do, lse, mask, scale=case.scale, causal=True,
             config=backward_config, wrap=wrap)
-        results.append((o, lse, *grads))
+        results.append(tuple(t.cpu() for t in (o, lse, *grads)))
     for direct, wrapped in zip(*results):
         assert torch.equal(direct, wrapped)
     check_forward(case, *results[0][:2])

@@ -138,21 +138,19 @@ def test_interpret_chunked(kw):
 
 def test_interpret_bounded_memory():
     """select_config keeps every float32 score block of the batched body (and
-    the mask block read with it) within BLOCK_SCORE_BYTES for long sequences,
-    with key chunks no shorter than MIN_KEY_CHUNK; small problems are packed
-    into few blocks."""
+    the mask block read with it) cache-sized, far below any memory budget,
+    for long sequences and many heads; small problems are packed into few
+    blocks."""
     from torch_pallas.kernels.tpu import attention, attention_backward
 
-    limit = attention_blocks.BLOCK_SCORE_BYTES
-
-    def config(spec, b, hq, hkv, l, s, e=64, mask=False):
+    def config(spec, b, hq, hkv, l, s, causal=False, mask=False, e=64):
         avals = [((b, hq, l, e), "float32"), ((b, hkv, s, e), "float32"),
                  ((b, hkv, s, e), "float32")]
         if spec is attention_backward.KERNEL:
             avals += [((b, hq, l, e), "float32")] * 2 + [((b, hq, l), "float32")]
         if mask:
             avals.append(((b, hq, l, s), "float32"))
-        return spec.config("interpret", tuple(avals), {})
+        return spec.config("interpret", tuple(avals), {"scale": 0.1, "causal": causal})
 
     for spec in (attention.KERNEL, attention_backward.KERNEL):
         small = config(spec, 2, 4, 2, 37, 45)  # everything in one block
@@ -160,15 +158,15 @@ def test_interpret_bounded_memory():
         for b, hq, hkv, l, s, mask in [(1, 1, 1, 16384, 16384, False),
                                        (4, 32, 8, 16384, 16384, False),
                                        (2, 8, 8, 16384, 16384, True),
-                                       (1, 64, 1, 8192, 8192, False),
+                                       (1, 256, 1, 8192, 8192, False),
                                        (1, 8, 8, 1, 1_000_000, False),
                                        (1, 1, 1, 100_000, 64, False)]:
-            cfg = config(spec, b, hq, hkv, l, s, mask=mask)
-            assert cfg.body is Body.BATCHED
-            rows = cfg.block_b * cfg.block_h * (hq // hkv) * cfg.block_q
-            assert rows * cfg.block_k * 4 <= limit, (b, hq, hkv, l, s, cfg)
-            assert cfg.block_k >= min(s, attention_blocks.MIN_KEY_CHUNK), cfg
-            assert cfg.block_q >= min(l, 8), cfg
+            for causal in (False, True):
+                cfg = config(spec, b, hq, hkv, l, s, causal, mask)
+                assert cfg.body is Body.BATCHED
+                rows = cfg.block_b * cfg.block_h * (hq // hkv) * cfg.block_q
+                assert rows * cfg.block_k * 4 <= 4 * 2**20, (b, hq, hkv, l, s, causal, cfg)
+                assert cfg.block_q >= min(l, 8) and cfg.block_k >= min(s, 64), cfg
 
 
 # ---------------------------------------------------------------------------

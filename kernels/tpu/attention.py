@@ -286,7 +286,7 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     (attention_blocks.batched_blocks); TPU blocks elsewhere."""
     if backend != "interpret":
         return AttentionConfig.default(backend)
-    return blocks_.batched_config(_dims(avals))
+    return blocks_.batched_config(_dims(avals), causal=bool(params.get("causal", False)))
 
 
 KERNEL = KernelSpec(run=attention, default_config=AttentionConfig.default,

@@ -396,7 +396,7 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     shapes = [shape for shape, _ in avals]
     mask = len(avals) > 6
     dims = attention_dims(*shapes[:3], shapes[6] if mask else None)
-    return blocks_.batched_config(dims)
+    return blocks_.batched_config(dims, causal=bool(params.get("causal", False)))
 
 
 KERNEL = KernelSpec(run=attention_backward, default_config=AttentionConfig.default,

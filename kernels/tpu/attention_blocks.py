@@ -13,13 +13,10 @@ Two bodies, chosen by the config:
   (batch, kv-head, query-row) blocks straight from the operands, in a loop,
   and multiplies them with batched products (one XLA dot over every head in
   the block); keys are taken in chunks with an online softmax when a block's
-  scores would exceed `BLOCK_SCORE_BYTES`. That bound keeps memory flat for
-  long sequences, and it keeps each block's scores in the CPU's caches: on
-  the 2-core machine of the measurements (B=4, H=8, L=S=512, E=64, float32)
-  1 MiB score blocks ran the forward about 2x and the backward about 2.5x
-  faster than one 32 MiB block, and 1.1-1.3x faster than 0.5, 2 or 4 MiB
-  ones (every product and softmax pass over a block that does not fit in
-  cache is memory-bound there). It never lowers for a TPU.
+  scores would exceed a cache-sized block. That bound keeps memory flat for
+  long sequences, and it keeps each block's scores in the CPU's caches (every
+  product and softmax pass over a block that does not fit is memory-bound
+  there; batched_blocks has the measurements). It never lowers for a TPU.
 """
 
 from __future__ import annotations
@@ -33,10 +30,15 @@ import jax.numpy as jnp
 from torch_pallas.kernels.attention_shapes import AttentionDims
 from torch_pallas.kernels.shapes import cdiv, round_up
 
-# The largest float32 score block (rows x key chunk) the batched body makes.
+# Batched body blocks (measured on the 2-core CPU; see batched_blocks):
+# up to WHOLE_KEYS keys, every key at once in blocks of about
+# BLOCK_SCORE_BYTES of float32 scores; longer (or causal) rows in chunks of
+# KEY_CHUNK (CAUSAL_KEY_CHUNK) keys, CHUNKED_ROWS query rows per block.
 BLOCK_SCORE_BYTES = 1 * 2**20
-# Key chunks at least this long when a block cannot hold all the keys.
-MIN_KEY_CHUNK = 512
+WHOLE_KEYS = 1024
+KEY_CHUNK = 256
+CAUSAL_KEY_CHUNK = 128
+CHUNKED_ROWS = 128
 # TPU vector tiles: sublanes (second-to-last axis; 16 covers packed 16-bit
 # rows) and lanes (last axis).
 SUBLANES = 16
@@ -89,19 +91,27 @@ def _even(n: int, most: int, multiple: int = 8) -> int:
     return round_up(cdiv(n, cdiv(n, max(most, multiple))), multiple)
 
 
-def batched_blocks(dims: AttentionDims, *, score_bytes: int = BLOCK_SCORE_BYTES,
-                   min_chunk: int = MIN_KEY_CHUNK) -> BatchedBlocks:
-    """Blocks whose float32 scores (rows of all G query heads x key chunk)
-    take about `score_bytes`: all the keys at once when at least 8 query rows
-    of one (batch, kv head) then fit (else chunks of `min_chunk` or more);
-    then as many query rows, key/value heads and batch entries as fit."""
+def batched_blocks(dims: AttentionDims, *, causal: bool = False) -> BatchedBlocks:
+    """The batched body's blocks: small enough that a block's scores stay
+    in the CPU's caches, which is what decides its speed there (2 cores,
+    B=4, H=8, E=64, float32, against torch's SDPA: at L=S=512, 1 MiB blocks
+    with every key ran 2x faster than one 32 MiB block and a little faster
+    than chunked ones; at L=S=2048, 128 x 256 chunks ran 1.3x faster than
+    128 rows with every key; causal, 128 x 128 chunks, skipping those above
+    the diagonal, ran 1.5-2x faster than whole rows).
+
+    Rows count every query head of the block; a block holds all G query
+    heads of its key/value heads. Short problems are packed: as many query
+    rows, then key/value heads, then batch entries as the rows allow."""
     g, l, s = dims.group, dims.q_len, dims.kv_len
-    rows = score_bytes // (4 * s)  # rows of scores that fit with every key
-    if rows >= g * min(l, 8):
-        chunk = s
+    least = g * min(l, 8)  # the fewest rows of a block: 8 query rows of each head
+    whole = s <= (CAUSAL_KEY_CHUNK if causal else WHOLE_KEYS)
+    if whole and BLOCK_SCORE_BYTES // (4 * s) >= least:
+        chunk, rows = s, BLOCK_SCORE_BYTES // (4 * s)
     else:
-        chunk = _even(s, max(min_chunk, score_bytes // (4 * g * min(l, 8))))
-        rows = score_bytes // (4 * chunk)
+        most = CAUSAL_KEY_CHUNK if causal else KEY_CHUNK
+        chunk = _even(s, min(most, BLOCK_SCORE_BYTES // (4 * least)))
+        rows = max(CHUNKED_ROWS, least)
     if rows < g * l:  # one (batch, kv head), part of its query rows
         return BatchedBlocks(1, 1, _even(l, rows // g), chunk)
     pairs = rows // (g * l)  # (batch, kv head) pairs per block
@@ -158,9 +168,9 @@ def mask_block_index(mask_shape, b, h):
     return (b if bm > 1 else 0), (h if hm > 1 else 0)
 
 
-def batched_config(dims, **kw) -> AttentionConfig:
+def batched_config(dims, *, causal: bool = False) -> AttentionConfig:
     """The batched body's config for these sizes (see batched_blocks)."""
-    blk = batched_blocks(dims, **kw)
+    blk = batched_blocks(dims, causal=causal)
     return AttentionConfig(Body.BATCHED, block_q=blk.q_rows, block_k=blk.k_chunk,
                            block_b=blk.batch, block_h=blk.kv_heads)
 

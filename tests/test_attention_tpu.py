@@ -229,3 +229,13 @@ def test_tpu_lowering(dtype, hkv, mask, causal):
 
         text = jax.jit(f).trace(*avals).lower(lowering_platforms=("tpu",)).as_text()
         assert "tpu_custom_call" in text, "no Mosaic TPU kernel in the lowered module"
+
+
+def test_unsupported_dtypes_are_refused_by_name():
+    from torch_pallas.kernels.tpu import attention, attention_backward
+
+    shape = (1, 2, 8, 16)
+    for spec in (attention.KERNEL, attention_backward.KERNEL):
+        assert spec.refusal("interpret", ((shape, "bfloat16"),) * 3, {}) is None
+        reason = spec.refusal("tpu_interpret", ((shape, "float64"),) * 3, {})
+        assert "backend 'tpu_interpret'" in reason and "float64" in reason

@@ -208,7 +208,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
 
             def step(c, carry):
                 m_old, l_old, acc_old = carry
-                s, v = keys(pl.multiple_of(c * ck, 8), ck)
+                s, v = keys(c * ck, ck)
                 m_new = jnp.maximum(m_old, s.max(axis=-1, keepdims=True))
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 p = jnp.exp(s - m_safe)
@@ -290,4 +290,4 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
 
 
 KERNEL = KernelSpec(run=attention, default_config=AttentionConfig.default,
-                    select_config=select_config)
+                    select_config=select_config, unsupported=blocks_.unsupported)

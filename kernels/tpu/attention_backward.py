@@ -299,7 +299,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
 
             def chunk(c, carry):
                 dq, dk_all, dv_all = carry
-                c0 = pl.multiple_of(c * ck, 8)
+                c0 = c * ck
                 dq_c, dk_c, dv_c = grads(qi, c0, ck, q, do, lse, delta)
 
                 def add(total, part):
@@ -400,4 +400,4 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
 
 
 KERNEL = KernelSpec(run=attention_backward, default_config=AttentionConfig.default,
-                    select_config=select_config)
+                    select_config=select_config, unsupported=blocks_.unsupported)

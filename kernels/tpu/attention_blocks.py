@@ -45,6 +45,18 @@ SUBLANES = 16
 LANES = 128
 
 
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def unsupported(backend: str, avals, params) -> str | None:
+    """Why the kernels cannot run a call (its q, k, v dtype), or None."""
+    dtypes = {dtype for _, dtype in avals[:3]}
+    if not dtypes <= set(SUPPORTED_DTYPES):
+        return (f"backend '{backend}' has no attention kernel for {sorted(dtypes)} "
+                f"(it computes {', '.join(SUPPORTED_DTYPES)})")
+    return None
+
+
 class Body(enum.Enum):
     PIPELINED = "pipelined"  # VMEM blocks, emit_pipeline (TPU)
     BATCHED = "batched"  # whole blocks, batched products (generic interpreter, CPU)
@@ -83,12 +95,14 @@ def _divisors_down(n: int):
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
-def _even(n: int, most: int, multiple: int = 8) -> int:
-    """Blocks of at most about `most` (at least `multiple`) splitting `n`
-    evenly; `n` itself when it fits."""
+def _even(n: int, most: int) -> int:
+    """The length of the fewest equal blocks of at most `most` covering `n`
+    (n itself when it fits): a divisor of n where one is that close, so
+    that padding, which copies the operands (the mask too), is rare and
+    small."""
     if most >= n:
         return n
-    return round_up(cdiv(n, cdiv(n, max(most, multiple))), multiple)
+    return cdiv(n, cdiv(n, max(most, 1)))
 
 
 def batched_blocks(dims: AttentionDims, *, causal: bool = False) -> BatchedBlocks:

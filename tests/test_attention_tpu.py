@@ -107,8 +107,11 @@ def test_interpret_shapes(kw):
     check("interpret", make_case(**kw))
 
 
-@pytest.mark.parametrize("mask", ["full", "batch", "heads", "shared", "empty_rows"])
-@pytest.mark.parametrize("causal", [False, True], ids=["", "causal"])
+MASKS = [("full", False), ("batch", True), ("heads", False), ("shared", True),
+         ("empty_rows", False), ("empty_rows", True)]
+
+
+@pytest.mark.parametrize("mask,causal", MASKS, ids=[f"{m}{'_causal' * c}" for m, c in MASKS])
 def test_interpret_masks(mask, causal):
     check("interpret", make_case(mask=mask, causal=causal))
 

@@ -19,9 +19,11 @@ maps repeat the last visible block, so the pipeline fetches nothing new. The
 mask is read block by block from (Bm, Hm, L, S), a broadcast batch or head
 axis mapped to block 0 by the index map (never copied); key/value head
 h // G serves query head h the same way (GQA, never repeated in memory).
-Ragged L and S are zero-padded to whole blocks once, outside the kernel; the
-padded keys are masked (-inf) inside it, the padded rows sliced off. Head
-dimensions are padded to whole lanes.
+Ragged L and S are zero-padded to whole blocks once, outside the kernel (a
+mask too, its broadcast axes left at 1; with L and S whole blocks nothing is
+copied); the padded keys are masked (-inf) inside it, the padded rows sliced
+off. Head dimensions are padded to whole lanes (128). Blocks: 128 query rows
+(16 for a shorter L) x 128 keys, a starting point not yet timed on a TPU.
 
 Batched body (`interpret`, JAX's generic interpreter on CPU): see
 attention_blocks.py. Whole (batch, kv-head, query-row) blocks, all query

@@ -7,14 +7,17 @@ lowered for sm_90a with every configuration select_config ships (the
 simulator checks values; the lowering checks wgmma layouts and dtypes, SMEM
 budget and the MLIR verifier, which the simulator skips).
 
-The simulator is slow (seconds per kernel, and per program of a
-warp-specialized one: select_config gives it one), so the calls are small;
-most cases run the forward and, on the forward's own o and lse, the
-backward.
+The simulator is slow (seconds per kernel), so the calls are small; each
+case runs the forward and, on the forward's own o and lse, the backward.
+select_config gives the simulator the one-warpgroup form of the kernels
+(attention_blocks.tile_pipeline); the hardware's warp-specialized form is
+simulated where the machine has the cores for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import types
 
 import jax
@@ -67,71 +70,119 @@ def check_gradients(case, grads, ref, errors):
                       f"attention backward (mosaic_gpu) {case.q.dtype}: {name}")
 
 
-def check_case(case, with_backward=True):
+def check_case(case):
     o, lse = run_forward(case)
-    do = torch.randn(o.shape).to(o.dtype) if with_backward else None
+    do = torch.randn(o.shape).to(o.dtype)
     ref, errors = torch_error(case, do)
     check_forward(case, o, lse, ref, errors)
-    if with_backward:
-        check_gradients(case, run_backward(case, o, do, lse), ref, errors)
+    check_gradients(case, run_backward(case, o, do, lse), ref, errors)
 
 
-# (id, make_case keywords, with the backward): each a ragged canonical call,
-# small for the simulator (which spends seconds per program of the forward's
-# warp-specialized kernel).
+# (id, make_case keywords): each a ragged canonical call, small for the
+# simulator; the forward and, on its o and lse, the backward.
 CASES = [
-    ("gqa-ragged-bf16", dict(b=1, hq=4, hkv=2, l=37, s=45, e=32, dtype=BF16), True),
-    ("mqa-causal-2wg-E40-Ev24", dict(b=1, hq=2, hkv=1, l=70, s=150, e=40, ev=24, causal=True,
-                                     dtype=F16), True),
-    ("decode-mqa", dict(b=1, hq=4, hkv=1, l=1, s=45, e=64, dtype=BF16), False),
+    ("gqa-ragged-bf16", dict(b=1, hq=4, hkv=2, l=37, s=45, e=32, dtype=BF16)),
+    ("mqa-causal-multiblock-E40-Ev24", dict(b=1, hq=2, hkv=1, l=70, s=150, e=40, ev=24,
+                                            causal=True, dtype=F16)),
+    ("decode-mqa", dict(b=1, hq=4, hkv=1, l=1, s=45, e=64, dtype=BF16)),
     ("causal-L>S-shared-f32-mask", dict(b=1, hq=2, hkv=1, l=50, s=20, e=32, causal=True,
-                                        dtype=F16, mask="shared", mask_dtype=F32), True),
+                                        dtype=F16, mask="shared", mask_dtype=F32)),
     ("full-f32-mask-E24", dict(b=1, hq=2, hkv=2, l=20, s=45, e=24, dtype=BF16, mask="full",
-                               mask_dtype=F32), False),
+                               mask_dtype=F32)),
     ("empty-rows-causal", dict(b=1, hq=2, hkv=1, l=37, s=45, e=32, dtype=F16,
-                               mask="empty_rows", causal=True), True),
-    ("batch-mask", dict(b=2, hq=1, hkv=1, l=9, s=30, e=32, dtype=BF16, mask="batch"), True),
-    ("S=1-heads-mask", dict(b=1, hq=2, hkv=1, l=9, s=1, e=32, dtype=F16, mask="heads"), True),
-    ("E128-Ev64", dict(b=1, hq=1, hkv=1, l=20, s=33, e=128, ev=64, dtype=BF16), False),
+                               mask="empty_rows", causal=True)),
+    ("batch-mask", dict(b=2, hq=1, hkv=1, l=9, s=30, e=32, dtype=BF16, mask="batch")),
+    ("S=1-heads-mask", dict(b=1, hq=2, hkv=1, l=9, s=1, e=32, dtype=F16, mask="heads")),
+    ("E128-Ev64", dict(b=1, hq=1, hkv=1, l=20, s=33, e=128, ev=64, dtype=BF16)),
 ]
 
 
-@pytest.mark.parametrize("kwargs,with_backward", [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
-def test_simulated_attention_matches_float64(kwargs, with_backward):
-    check_case(make_case(**kwargs), with_backward)
+@pytest.mark.parametrize("kwargs", [c[1] for c in CASES], ids=[c[0] for c in CASES])
+def test_simulated_attention_matches_float64(kwargs):
+    check_case(make_case(**kwargs))
 
 
 @pytest.mark.slow
 def test_simulated_head_dim_256_many_blocks():
     """Head dims 256 / 200 (the smallest blocks and pipelines select_config
-    ships) over several key blocks and two compute warpgroups, with a
-    per-head mask and causal."""
+    ships) over several query and key blocks, with a per-head mask and
+    causal."""
     check_case(make_case(b=1, hq=2, hkv=1, l=65, s=100, e=256, ev=200, dtype=BF16,
                          mask="heads", causal=True))
 
 
-def test_simulated_persistent_grid_with_several_programs():
-    """Two programs share eight tiles (2 heads x 4 query blocks of 64 rows,
-    causal: the longest first): each runs a pipeline per tile on the same
-    barriers and SMEM."""
-    case = make_case(b=1, hq=2, hkv=1, l=200, s=70, e=32, causal=True, dtype=F16,
-                     mask="heads")
-    config = forward.AttentionConfig(block_q=64, block_kv=64, max_concurrent_steps=2,
-                                     compute_wgs=1, num_programs=2)
-    q, k, v, mask = (jnp.asarray(t.float().numpy(), jnp.float16) for t in case.inputs)
+def simulate(case, do, forward_config, backward_config):
+    """The forward (and with `do`, the backward on its o and lse) simulated
+    with the given configs; torch tensors out."""
     interpret = jax_env.gpu_interpret_params(detect_races=False)
+    dtype = jnp.dtype(str(case.q.dtype).removeprefix("torch."))
+
+    def as_jax(t):
+        return jnp.asarray(t.float().numpy(), jnp.float32 if t.dtype == F32 else dtype)
+
+    def as_torch(x):
+        return torch.from_dlpack(x.astype(jnp.float32)).to(case.q.dtype if x.dtype == dtype
+                                                           else F32)
+
+    q, k, v = map(as_jax, (case.q, case.k, case.v))
+    mask = () if case.mask is None else (as_jax(case.mask),)
+    params = dict(scale=case.scale, causal=case.causal, interpret=interpret)
     try:
-        o, lse = jax.jit(lambda *a: forward.attention(*a, scale=case.scale, causal=True,
-                                                      config=config, interpret=interpret))(
-            q, k, v, mask)
-        o, lse = jax.block_until_ready((o, lse))
+        o, lse = jax.block_until_ready(jax.jit(lambda *a: forward.attention(
+            *a, **params, config=forward_config))(q, k, v, *mask))
+        grads = None
+        if do is not None:
+            grads = jax.block_until_ready(jax.jit(lambda *a: backward.attention_backward(
+                *a, **params, config=backward_config))(q, k, v, o, as_jax(do), lse, *mask))
     except Exception:
         jax_env.reset_simulator("mosaic_gpu")
         raise
-    ref, errors = torch_error(case)
-    check_forward(case, torch.from_dlpack(o.astype(jnp.float32)).to(F16),
-                  torch.from_dlpack(lse), ref, errors)
+    return as_torch(o), as_torch(lse), None if grads is None else tuple(map(as_torch, grads))
+
+
+def test_simulated_persistent_grid_with_several_programs():
+    """Two programs share the tiles (forward: 2 heads x 4 query blocks,
+    causal, the longest first; backward: 2 key tiles of the key/value head,
+    4 query tiles): each runs one pipeline per tile on the same barriers and
+    SMEM."""
+    case = make_case(b=1, hq=2, hkv=1, l=200, s=70, e=32, causal=True, dtype=F16,
+                     mask="heads")
+    do = torch.randn(case.q.shape[:-1] + (case.v.shape[-1],)).to(F16)
+    o, lse, grads = simulate(
+        case, do,
+        forward.AttentionConfig(64, 64, 2, compute_wgs=1, warp_specialized=False,
+                                num_programs=2),
+        backward.BackwardConfig(64, 64, 2, compute_wgs=1, warp_specialized=False,
+                                num_programs=2))
+    ref, errors = torch_error(case, do)
+    check_forward(case, o, lse, ref, errors)
+    check_gradients(case, grads, ref, errors)
+
+
+# The simulator runs each warpgroup of a warp-specialized kernel on one of
+# XLA's CPU worker threads, held while it waits at a barrier; with no more
+# workers (one per core) than simulated warpgroups the simulation can
+# deadlock (seen on a 2-core machine), so those run where the cores suffice.
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+@pytest.mark.parametrize("compute_wgs", [1, 2])
+def test_simulated_warp_specialized_kernels(compute_wgs):
+    """The hardware's kernels (a memory warpgroup beside one or two compute
+    warpgroups) on two programs: GQA, causal, a per-head mask, ragged."""
+    if CORES < compute_wgs + 2:
+        pytest.skip(f"{CORES} CPU cores: the simulator needs {compute_wgs + 2} to run "
+                    f"{compute_wgs + 1} warpgroups without deadlocking")
+    case = make_case(b=1, hq=4, hkv=2, l=70, s=100, e=40, ev=24, causal=True, dtype=BF16,
+                     mask="heads")
+    do = torch.randn(case.q.shape[:-1] + (case.v.shape[-1],)).to(BF16)
+    o, lse, grads = simulate(
+        case, do,
+        forward.AttentionConfig(64, 64, 2, compute_wgs=compute_wgs, num_programs=2),
+        backward.BackwardConfig(64, 64, 2, compute_wgs=compute_wgs, num_programs=2))
+    ref, errors = torch_error(case, do)
+    check_forward(case, o, lse, ref, errors)
+    check_gradients(case, grads, ref, errors)
 
 
 def test_causal_never_reads_key_blocks_above_the_diagonal():
@@ -252,16 +303,35 @@ def test_every_shipped_backward_config_lowers_for_hopper(config, witness):
 
 
 def test_shipped_configs_cover_both_warpgroup_counts():
-    """Two compute warpgroups for long queries, one for decoding (and for
-    head dims whose tiles leave no room for two with a pipeline)."""
+    """On a GPU: warp-specialized, two compute warpgroups for long queries,
+    one for decoding (and for head dims whose tiles leave no room for two
+    with a pipeline), one program per SM. In the simulator: one warpgroup
+    doing both jobs, on one program."""
     assert {c.compute_wgs for c, _ in FORWARD_CONFIGS} == {1, 2}
+    assert {c.compute_wgs for c, _ in BACKWARD_CONFIGS} == {1, 2}
+    for config, _ in FORWARD_CONFIGS + BACKWARD_CONFIGS:
+        assert config.warp_specialized and config.num_programs == H100.core_count, config
+    for config, _ in FORWARD_CONFIGS:  # every forward overlaps its copies
+        assert config.max_concurrent_steps >= 2, config
     assert forward.KERNEL.config("mosaic_gpu", attention_avals(128, 128, None, l=1), {},
                                  H100).compute_wgs == 1
     assert forward.KERNEL.config("mosaic_gpu", attention_avals(128, 128, None, l=65), {},
                                  H100).compute_wgs == 2
-    assert {c.compute_wgs for c, _ in BACKWARD_CONFIGS} == {1, 2}
-    for config, _ in FORWARD_CONFIGS:  # every forward overlaps its copies
-        assert config.max_concurrent_steps >= 2, config
+    for spec, saved in ((forward.KERNEL, False), (backward.KERNEL, True)):
+        config = spec.config(SIMULATOR, attention_avals(128, 128, None, l=300, saved=saved), {},
+                             None)
+        assert (config.warp_specialized, config.compute_wgs, config.num_programs) == (False, 1, 1)
+
+
+def test_the_simulators_configs_lower_for_hopper():
+    """The one-warpgroup kernels the simulator runs are hardware kernels too."""
+    for e, mask_dtype in ((64, None), (256, "float32")):
+        avals = attention_avals(e, e, mask_dtype, mask_heads=4)
+        config = forward.KERNEL.config(SIMULATOR, avals, {}, None)
+        lower_forward(avals, True, dataclasses.replace(config, num_programs=H100.core_count))
+        avals = attention_avals(e, e, mask_dtype, mask_heads=4, saved=True)
+        config = backward.KERNEL.config(SIMULATOR, avals, {}, None)
+        lower_backward(avals, True, dataclasses.replace(config, num_programs=H100.core_count))
 
 
 @pytest.mark.parametrize("e,ev,mask_dtype,causal,mask_heads", [

@@ -52,8 +52,12 @@ from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     mask_view,
     pad_rows,
     padded_head_dim,
+    WARPGROUP_AXIS,
+    thread_axes,
+    tile_pipeline,
     tile_transforms,
     visible,
+    warpgroup,
 )
 from torch_pallas.kernels.shapes import cdiv, round_up
 from torch_pallas.kernels.spec import KernelSpec
@@ -68,6 +72,9 @@ class AttentionConfig:
     block_kv: int
     max_concurrent_steps: int  # K/V (and mask) tiles in flight
     compute_wgs: int = 2
+    # A memory warpgroup beside the compute ones (the hardware's choice), or
+    # one warpgroup doing both (the simulator's: see attention_blocks.tile_pipeline).
+    warp_specialized: bool = True
     # Programs of the persistent grid (one per SM of the GPU); None: one per tile.
     num_programs: int | None = None
 
@@ -82,8 +89,8 @@ class AttentionConfig:
 
     def smem_bytes(self, dtype, head_dim: int, value_dim: int, mask_dtype=None) -> int:
         """Shared memory on the hardware: each warpgroup's Q tile (its O
-        tile too when E = Ev, else beside it) and row statistics, and the
-        pipeline's K, V (and mask) tiles. (The simulator also stages P.)"""
+        tile too when E = Ev, else one beside it) and the pipeline's K, V
+        (and mask) tiles. (The simulator also stages P.)"""
         size = itemsize(dtype)
         e, ev = padded_head_dim(head_dim), padded_head_dim(value_dim)
         rows, bk = self.block_rows, self.block_kv
@@ -97,8 +104,9 @@ class AttentionConfig:
         if self.block_q % 64 or self.block_kv % 64:
             raise ValueError(f"attention: {self} needs block_q and block_kv multiples of 64 "
                              "(wgmma rows, 128-byte swizzle of 16-bit tiles)")
-        if self.compute_wgs not in (1, 2):
-            raise ValueError(f"attention: {self} needs 1 or 2 compute warpgroups")
+        if self.compute_wgs not in (1, 2) or (self.compute_wgs > 1 and not self.warp_specialized):
+            raise ValueError(f"attention: {self} needs 1 or 2 compute warpgroups, 1 "
+                             "without warp specialization")
         nbytes = self.smem_bytes(dtype, head_dim, value_dim, mask_dtype)
         if not fits_smem(nbytes):
             raise ValueError(f"attention: {self} needs {nbytes} bytes of shared memory for "
@@ -129,7 +137,7 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
     def step(first_row, q_tiles, p_tiles, indices, k_smem, v_smem, *rest):
         mask_smem, carry = (rest[0], rest[1]) if has_mask else (None, rest[0])
         (j,) = indices
-        wg = jax.lax.axis_index("wg")
+        wg = warpgroup(config.warp_specialized)
         acc, m, l = carry
 
         def qk(s_acc):
@@ -158,7 +166,7 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
 
     def compute(b, h, first_row, q_tiles, o_tiles, q_barriers, run_pipeline):
         """One compute warpgroup's tile: its Q rows in, the loop, O and lse out."""
-        wg = jax.lax.axis_index("wg")
+        wg = warpgroup(config.warp_specialized)
         wg_rows = pl.ds(first_row + wg * bq, bq)
         plgpu.copy_gmem_to_smem(q_gmem.at[b, h, wg_rows], q_tiles.at[wg], q_barriers.at[wg])
         plgpu.barrier_wait(q_barriers.at[wg])
@@ -196,13 +204,12 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
             in_specs.append(plgpu.BlockSpec((rows, bk), lambda j: (qi, j),
                                             transforms=tile_transforms(mask_gmem.dtype)))
             gmem.append(mask_view(mask_gmem, b, h))
-        run = plgpu.emit_pipeline_warp_specialized(
+        run = tile_pipeline(
             functools.partial(step, first_row, q_tiles, p_tiles),
+            warp_specialized=config.warp_specialized,
             grid=(kv_steps,),
-            memory_registers=40,  # the memory warpgroup only issues copies
             in_specs=in_specs,
-            wg_axis="wg",
-            num_compute_wgs=wgs,
+            compute_wgs=wgs,
             max_concurrent_steps=steps,
             compute_context=functools.partial(compute, b, h, first_row, q_tiles, o_tiles,
                                               q_barriers),
@@ -229,7 +236,7 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
         None if e == ev else plgpu.SMEM((wgs, bq, ev), dtype, transforms=transforms),
         None if target.hardware else plgpu.SMEM((wgs, bq, bk), dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=wgs),
-        collective_axes="wg",
+        collective_axes=WARPGROUP_AXIS if config.warp_specialized else (),
     )
 
 
@@ -266,27 +273,30 @@ def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: Attenti
                   jax.ShapeDtypeStruct((b, hq, lp), jnp.float32)),
         grid=(min(tiles, config.num_programs or tiles),),
         grid_names=("programs",),
-        num_threads=config.compute_wgs + 1,
-        thread_name="wg",
+        **thread_axes(config.warp_specialized, config.compute_wgs),
         interpret=interpret,
     )(*operands)
     return o[:, :, :dims.q_len, :dims.value_dim], lse[:, :, :dims.q_len]
 
 
-def candidates(q_len: int) -> tuple[AttentionConfig, ...]:
+def candidates(q_len: int, warp_specialized: bool = True) -> tuple[AttentionConfig, ...]:
     """Configurations in order of preference: two compute warpgroups (one
-    for calls of at most 64 query rows, e.g. decoding), large key blocks,
-    then deep pipelines; the last resorts without overlap."""
-    wgs = (1, 2) if q_len <= 64 else (2, 1)
-    ordered = [AttentionConfig(64, bk, steps, n) for n in wgs for bk in (128, 64)
-               for steps in (4, 3, 2)]
-    return tuple(ordered) + (AttentionConfig(64, 64, 1, wgs[0]), AttentionConfig(64, 64, 1, 1))
+    for calls of at most 64 query rows, e.g. decoding, and without warp
+    specialization), large key blocks, then deep pipelines; the last resorts
+    without overlap."""
+    if not warp_specialized:
+        wgs = (1,)
+    else:
+        wgs = (1, 2) if q_len <= 64 else (2, 1)
+    ordered = [AttentionConfig(64, bk, steps, n, warp_specialized) for n in wgs
+               for bk in (128, 64) for steps in (4, 3, 2)]
+    return tuple(ordered) + (AttentionConfig(64, 64, 1, 1, warp_specialized),)
 
 
-def config_for(dtype, q_len: int, head_dim: int, value_dim: int,
-               mask_dtype=None) -> AttentionConfig:
+def config_for(dtype, q_len: int, head_dim: int, value_dim: int, mask_dtype=None,
+               warp_specialized: bool = True) -> AttentionConfig:
     """The first candidate that fits a Hopper block's shared memory."""
-    for config in candidates(q_len):
+    for config in candidates(q_len, warp_specialized):
         if fits_smem(config.smem_bytes(dtype, head_dim, value_dim, mask_dtype)):
             return config
     raise ValueError(f"attention: no configuration fits head dims {head_dim}/{value_dim}")
@@ -294,15 +304,18 @@ def config_for(dtype, q_len: int, head_dim: int, value_dim: int,
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     """Per query length, head dims and mask dtype (the shared memory they
-    need), the same on the hardware and in the simulator; on a GPU one
-    program per SM of `device`, in the simulator one program (which compiles
-    each warpgroup's code once per program)."""
+    need). On a GPU warp-specialized, one program per SM of `device`; in
+    the simulator one warpgroup doing both jobs (see
+    attention_blocks.tile_pipeline) with the same tiles, on one program
+    (which the simulator compiles once)."""
     (q_shape, dtype), (k_shape, _), (v_shape, _) = avals[:3]
     mask_dtype = avals[3][1] if len(avals) > 3 else None
     if dtype not in SUPPORTED_DTYPES:
         return AttentionConfig.default(backend)
-    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1], mask_dtype)
-    programs = getattr(device, "core_count", None) if backend == "mosaic_gpu" else 1
+    hardware = backend == "mosaic_gpu"
+    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1], mask_dtype,
+                        warp_specialized=hardware)
+    programs = getattr(device, "core_count", None) if hardware else 1
     return dataclasses.replace(config, num_programs=programs)
 
 

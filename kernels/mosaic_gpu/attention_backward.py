@@ -54,8 +54,12 @@ from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     mask_view,
     pad_rows,
     padded_head_dim,
+    WARPGROUP_AXIS,
+    thread_axes,
+    tile_pipeline,
     tile_transforms,
     visible,
+    warpgroup,
 )
 from torch_pallas.kernels.shapes import cdiv, round_up
 from torch_pallas.kernels.spec import KernelSpec
@@ -71,6 +75,9 @@ class BackwardConfig:
     block_kv: int
     max_concurrent_steps: int  # tiles in flight in either pipeline
     compute_wgs: int = 2
+    # A memory warpgroup beside the compute ones (the hardware's choice), or
+    # one warpgroup doing both (the simulator's: see attention_blocks.tile_pipeline).
+    warp_specialized: bool = True
     # Programs of the persistent grids (one per SM of the GPU); None: one per tile.
     num_programs: int | None = None
 
@@ -96,8 +103,9 @@ class BackwardConfig:
         if self.block_q % 64 or self.block_kv % 64:
             raise ValueError(f"attention backward: {self} needs block_q and block_kv "
                              "multiples of 64 (wgmma rows, 128-byte swizzle of 16-bit tiles)")
-        if self.compute_wgs not in (1, 2):
-            raise ValueError(f"attention backward: {self} needs 1 or 2 compute warpgroups")
+        if self.compute_wgs not in (1, 2) or (self.compute_wgs > 1 and not self.warp_specialized):
+            raise ValueError(f"attention backward: {self} needs 1 or 2 compute warpgroups, 1 "
+                             "without warp specialization")
         for kernel, nbytes in self.smem_bytes(dtype, head_dim, value_dim, mask_dtype).items():
             if not fits_smem(nbytes):
                 raise ValueError(f"attention backward: {self} needs {nbytes} bytes of shared "
@@ -154,7 +162,7 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
         dk_acc, dv_acc = carry
         (t,) = indices
         _, i = head_and_block(t)
-        wg = jax.lax.axis_index("wg")
+        wg = warpgroup(config.warp_specialized)
         s, dp = scores(q_smem, target.transposed(k_tiles.at[wg]), do_smem,
                        target.transposed(v_tiles.at[wg]), bq=bq, bk=bk)
         mask_tile = mask_smem.at[:, pl.ds(wg * bk, bk)][...] if has_mask else None
@@ -171,7 +179,7 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
 
     def compute(b, kv_head, kj, k_tiles, v_tiles, out_tiles, barriers, run_pipeline):
         """One compute warpgroup's keys: K, V in, the loop, dK, dV out."""
-        wg = jax.lax.axis_index("wg")
+        wg = warpgroup(config.warp_specialized)
         keys = pl.ds(kj * tile_keys + wg * bk, bk)
         if target.hardware:
             k_src, v_src = k_gmem.at[b, kv_head, keys], v_gmem.at[b, kv_head, keys]
@@ -224,13 +232,12 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
             in_specs.append(plgpu.BlockSpec((None, bq, tile_keys), mask_index,
                                             transforms=tile_transforms(mask_gmem.dtype)))
             gmem.append(mask_gmem.at[b if mask_gmem.shape[0] > 1 else 0])
-        run = plgpu.emit_pipeline_warp_specialized(
+        run = tile_pipeline(
             functools.partial(step, kj, k_tiles, v_tiles, pt_tiles, dst_tiles, head_and_block),
+            warp_specialized=config.warp_specialized,
             grid=(group * per_head,),
-            memory_registers=40,
             in_specs=in_specs,
-            wg_axis="wg",
-            num_compute_wgs=wgs,
+            compute_wgs=wgs,
             max_concurrent_steps=steps,
             compute_context=functools.partial(compute, b, kv_head, kj, k_tiles, v_tiles,
                                               out_tiles, barriers),
@@ -263,7 +270,7 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
         sim_only(bk, e),
         sim_only(bk, ev),
         plgpu.Barrier(num_barriers=2 * wgs),
-        collective_axes="wg",
+        collective_axes=WARPGROUP_AXIS if config.warp_specialized else (),
     )
 
 
@@ -293,7 +300,7 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
         *tiles, carry = tiles
         dq_acc, lse2, delta = carry
         (j,) = indices
-        wg = jax.lax.axis_index("wg")
+        wg = warpgroup(config.warp_specialized)
         if target.hardware:  # K and V once each, read both ways in place
             k_smem, v_smem, *mask_smem = tiles
             kt, vt = target.transposed(k_smem), target.transposed(v_smem)
@@ -313,7 +320,7 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
     def compute(b, h, first_row, q_tiles, do_tiles, lse_tiles, delta_tiles, barriers,
                 run_pipeline):
         """One compute warpgroup's rows: Q, dO, lse, delta in, the loop, dQ out."""
-        wg = jax.lax.axis_index("wg")
+        wg = warpgroup(config.warp_specialized)
         rows = pl.ds(first_row + wg * bq, bq)
         sources = (q_gmem, do_gmem, lse_gmem, delta_gmem)
         tiles = (q_tiles, do_tiles, lse_tiles, delta_tiles)
@@ -357,13 +364,12 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
             in_specs.append(plgpu.BlockSpec((tile_rows, bk), lambda j: (qi, j),
                                             transforms=tile_transforms(mask_gmem.dtype)))
             gmem.append(mask_view(mask_gmem, b, h))
-        run = plgpu.emit_pipeline_warp_specialized(
+        run = tile_pipeline(
             functools.partial(step, first_row, q_tiles, do_tiles, ds_tiles),
+            warp_specialized=config.warp_specialized,
             grid=(kv_steps,),
-            memory_registers=40,
             in_specs=in_specs,
-            wg_axis="wg",
-            num_compute_wgs=wgs,
+            compute_wgs=wgs,
             max_concurrent_steps=steps,
             compute_context=functools.partial(compute, b, h, first_row, q_tiles, do_tiles,
                                               lse_tiles, delta_tiles, barriers),
@@ -390,7 +396,7 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
         plgpu.SMEM((wgs, bq), jnp.float32),
         None if target.hardware else plgpu.SMEM((wgs, bq, bk), dtype, transforms=transforms),
         plgpu.Barrier(num_barriers=4 * wgs),
-        collective_axes="wg",
+        collective_axes=WARPGROUP_AXIS if config.warp_specialized else (),
     )
 
 
@@ -431,8 +437,7 @@ def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: 
                   jax.ShapeDtypeStruct((b, hkv, sp, ev), q.dtype)),
         grid=grid(b * hkv * (sp // (wgs * config.block_kv))),
         grid_names=("programs",),
-        num_threads=wgs + 1,
-        thread_name="wg",
+        **thread_axes(config.warp_specialized, wgs),
         interpret=interpret,
     )(q, k if target.hardware else kt, v if target.hardware else vt, do, lse2, delta, *masks)
 
@@ -442,26 +447,29 @@ def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: 
         out_type=jax.ShapeDtypeStruct((b, hq, lp, e), q.dtype),
         grid=grid(b * hq * (lp // (wgs * config.block_q))),
         grid_names=("programs",),
-        num_threads=wgs + 1,
-        thread_name="wg",
+        **thread_axes(config.warp_specialized, wgs),
         interpret=interpret,
     )(q, k, v, do, lse2, delta, *transposed, *masks)
     return (dq[:, :, :dims.q_len, :dims.head_dim], dk[:, :, :dims.kv_len, :dims.head_dim],
             dv[:, :, :dims.kv_len, :dims.value_dim])
 
 
-def candidates(q_len: int) -> tuple[BackwardConfig, ...]:
+def candidates(q_len: int, warp_specialized: bool = True) -> tuple[BackwardConfig, ...]:
     """Configurations in order of preference: two compute warpgroups (one
-    for calls of at most 64 query rows), deep pipelines; 64 x 64 blocks keep
-    dK and dV (or dQ) and the score tiles in one warpgroup's registers."""
-    wgs = (1, 2) if q_len <= 64 else (2, 1)
-    return tuple(BackwardConfig(64, 64, steps, n) for n in wgs for steps in (3, 2)) + (
-        BackwardConfig(64, 64, 1, 1),)
+    for calls of at most 64 query rows, and without warp specialization),
+    deep pipelines; 64 x 64 blocks keep dK and dV (or dQ) and the score
+    tiles in one warpgroup's registers."""
+    if not warp_specialized:
+        wgs = (1,)
+    else:
+        wgs = (1, 2) if q_len <= 64 else (2, 1)
+    return tuple(BackwardConfig(64, 64, steps, n, warp_specialized) for n in wgs
+                 for steps in (3, 2)) + (BackwardConfig(64, 64, 1, 1, warp_specialized),)
 
 
-def config_for(dtype, q_len: int, head_dim: int, value_dim: int,
-               mask_dtype=None) -> BackwardConfig:
-    for config in candidates(q_len):
+def config_for(dtype, q_len: int, head_dim: int, value_dim: int, mask_dtype=None,
+               warp_specialized: bool = True) -> BackwardConfig:
+    for config in candidates(q_len, warp_specialized):
         if all(fits_smem(n) for n in
                config.smem_bytes(dtype, head_dim, value_dim, mask_dtype).values()):
             return config
@@ -471,14 +479,17 @@ def config_for(dtype, q_len: int, head_dim: int, value_dim: int,
 
 def select_config(backend: str, avals, params, device=None) -> BackwardConfig:
     """Per query length, head dims and mask dtype (the shared memory they
-    need), the same on the hardware and in the simulator; on a GPU one
-    program per SM of `device`, in the simulator one program."""
+    need). On a GPU warp-specialized, one program per SM of `device`; in
+    the simulator one warpgroup doing both jobs with the same tiles, on one
+    program."""
     (q_shape, dtype), (k_shape, _), (v_shape, _) = avals[:3]
     mask_dtype = avals[6][1] if len(avals) > 6 else None
     if dtype not in SUPPORTED_DTYPES:
         return BackwardConfig.default(backend)
-    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1], mask_dtype)
-    programs = getattr(device, "core_count", None) if backend == "mosaic_gpu" else 1
+    hardware = backend == "mosaic_gpu"
+    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1], mask_dtype,
+                        warp_specialized=hardware)
+    programs = getattr(device, "core_count", None) if hardware else 1
     return dataclasses.replace(config, num_programs=programs)
 
 

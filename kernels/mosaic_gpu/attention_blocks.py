@@ -152,6 +152,54 @@ def visible(s, target: Target, *, row0, col0, kv_len: int, causal: bool, ragged:
     return jax.lax.cond(partly_hidden, hide, lambda s: s, s)
 
 
+def tile_pipeline(body, *, warp_specialized: bool, grid, in_specs, max_concurrent_steps: int,
+                  compute_wgs: int, compute_context):
+    """The pipeline of one tile: `run(*gmem_refs, allocations=...)`.
+
+    Warp-specialized (`plgpu.emit_pipeline_warp_specialized`): a memory
+    warpgroup (the last thread) issues the TMA copies for `compute_wgs`
+    compute warpgroups, each running `compute_context(run_pipeline)`.
+    Otherwise the one warpgroup of the program does both (`plgpu.emit_pipeline`),
+    with the same `body(indices, *tiles, carry) -> carry` and context:
+    the form the simulator runs (each simulated warpgroup of a
+    warp-specialized kernel holds one of XLA's CPU worker threads while it
+    waits at a barrier; with fewer workers than warpgroups, as on a 2-core
+    machine, the simulation can deadlock)."""
+    if warp_specialized:
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=grid, memory_registers=40,  # the memory warpgroup only issues copies
+            in_specs=in_specs, wg_axis=WARPGROUP_AXIS, num_compute_wgs=compute_wgs,
+            max_concurrent_steps=max_concurrent_steps, compute_context=compute_context)
+    if compute_wgs != 1:
+        raise ValueError(f"attention: {compute_wgs} compute warpgroups need warp specialization")
+
+    def run(*gmem, allocations=None):
+        del allocations  # emit_pipeline allocates its tiles per call
+        compute_context(lambda carry: plgpu.emit_pipeline(
+            body, grid=grid, in_specs=in_specs, max_concurrent_steps=max_concurrent_steps,
+            init_carry=carry)(*gmem))
+
+    run.get_allocations = lambda *gmem: None
+    return run
+
+
+WARPGROUP_AXIS = "wg"
+
+
+def warpgroup(warp_specialized: bool):
+    """This compute warpgroup's index in its program (0 without warp
+    specialization, where the program is one warpgroup)."""
+    return jax.lax.axis_index(WARPGROUP_AXIS) if warp_specialized else 0
+
+
+def thread_axes(warp_specialized: bool, compute_wgs: int) -> dict:
+    """`plgpu.kernel`'s thread keywords: the compute warpgroups and the
+    memory one, or none (one warpgroup)."""
+    if not warp_specialized:
+        return {}
+    return {"num_threads": compute_wgs + 1, "thread_name": WARPGROUP_AXIS}
+
+
 def mask_view(mask_gmem, b, h):
     """The (Lp, Sp) additive mask seen by (batch b, query head h): a size-1
     batch or head axis is read at index 0 (broadcast, never copied)."""

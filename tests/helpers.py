@@ -57,8 +57,9 @@ def kernel_calls(info) -> list[tuple[tuple, dict]]:
     real = launch.compiled_kernel
 
     def recording(op, device, inputs=(), params=None, user_function=None):
-        calls.append((tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                            for t in inputs), dict(params or {})))
+        if op == info.name:  # not the other ops an example calls to build its inputs
+            calls.append((tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                                for t in inputs), dict(params or {})))
         return real(op, device, inputs, params, user_function)
 
     launch.compiled_kernel = recording

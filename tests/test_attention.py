@@ -19,14 +19,21 @@ import torch.nn.functional as F
 
 import torch_pallas
 from helpers import CPU_BACKENDS, assert_within
-from torch_pallas import dtypes
+from torch_pallas import backends, dtypes
 from torch_pallas.ops import attention as attention_op
 
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # The Mosaic GPU kernels take 16-bit inputs only (float32 falls back to Triton on a GPU).
 DTYPES_ON = {name: ((torch.bfloat16,) if name == "mosaic_gpu_interpret"
                     else (torch.float32, torch.bfloat16)) for name in CPU_BACKENDS}
-BACKEND_DTYPES = [(b, d) for b in CPU_BACKENDS for d in DTYPES_ON[b]]
+# The simulators take minutes over torch's samples: run with -m exhaustive
+# (CI runs it too); the default run simulates the op's examples (opcheck,
+# determinism, lowering) and each family's kernel tests its own cases.
+BACKEND_DTYPES = [
+    pytest.param(b, d, marks=[pytest.mark.exhaustive] if backends.get(b).simulated else [],
+                 id=f"{b}-{str(d)[6:]}")
+    for b in CPU_BACKENDS for d in DTYPES_ON[b]
+]
 
 
 def torch_samples(dtype, requires_grad):
@@ -140,8 +147,7 @@ def rounding_terms(q, k, v, kwargs, scale, grad, dtype) -> dict:
     return terms
 
 
-@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPES,
-                         ids=[f"{b}-{str(d)[6:]}" for b, d in BACKEND_DTYPES])
+@pytest.mark.parametrize("backend,dtype", BACKEND_DTYPES)
 def test_torch_sample_inputs_forward_and_backward(backend, dtype):
     """Every sample PyTorch's own tests give scaled_dot_product_attention
     (3-D, 4-D and broadcast batches, causal, a float mask that requires

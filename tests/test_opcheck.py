@@ -7,18 +7,32 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_pallas import registry
+import torch_pallas
+from helpers import CPU_BACKENDS
+from torch_pallas import backends, registry
+
+
+# opcheck runs each example several times: the attention ops on the
+# simulators take minutes, and run with -m exhaustive (CI runs both).
+SLOW_ON_SIMULATORS = ("attention", "attention_backward")
+CASES = [
+    pytest.param(backend, info, marks=[pytest.mark.exhaustive] if (
+        backends.get(backend).simulated and info.name in SLOW_ON_SIMULATORS) else [],
+        id=f"{backend}-{info.name}")
+    for backend in CPU_BACKENDS for info in registry.ops()
+]
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])
-@pytest.mark.parametrize("info", registry.ops(), ids=lambda info: info.name)
-def test_opcheck_every_op(cpu_backend, info, requires_grad):
+@pytest.mark.parametrize("backend,info", CASES)
+def test_opcheck_every_op(backend, info, requires_grad):
     """Every registered op's examples (ops/<op>.py), with and without
     requires_grad (factory ops have no tensor inputs: no gradient case)."""
     examples = info.examples(torch.device("cpu"), requires_grad)
     assert examples or requires_grad, f"{info.name} has no examples"
-    for example in examples:
-        torch.library.opcheck(info.overload, example.args, dict(example.kwargs))
+    with torch_pallas.backend(backend):
+        for example in examples:
+            torch.library.opcheck(info.overload, example.args, dict(example.kwargs))
 
 
 @pytest.mark.parametrize("info", registry.ops(), ids=lambda info: info.name)

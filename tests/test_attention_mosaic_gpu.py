@@ -58,7 +58,8 @@ def check_forward(case, o, lse, ref, errors):
     assert o.dtype == case.q.dtype and lse.dtype == torch.float32
     assert_within(o, ref[0], bound(errors[0], case.q.dtype), f"{what}: o")
     hidden = torch.isinf(ref[1])
-    assert torch.equal(lse == float("inf"), hidden), f"{what}: lse is +inf exactly where no key is visible"
+    assert torch.equal(lse == float("inf"), hidden), \
+        f"{what}: lse is +inf exactly where no key is visible"
     assert_within(lse[~hidden], ref[1][~hidden], lse_bound(ref[1][~hidden]), f"{what}: lse")
 
 
@@ -286,7 +287,8 @@ FORWARD_CONFIGS = sorted(shipped(forward.KERNEL, saved=False).items(), key=str)
 BACKWARD_CONFIGS = sorted(shipped(backward.KERNEL, saved=True).items(), key=str)
 
 
-@pytest.mark.parametrize("config,witness", FORWARD_CONFIGS, ids=[str(c[1][1:]) for c in FORWARD_CONFIGS])
+@pytest.mark.parametrize("config,witness", FORWARD_CONFIGS,
+                         ids=[str(c[1][1:]) for c in FORWARD_CONFIGS])
 def test_every_shipped_forward_config_lowers_for_hopper(config, witness):
     _, l, e, ev, mask_dtype = witness
     config.check("bfloat16", e, ev, mask_dtype)
@@ -294,7 +296,8 @@ def test_every_shipped_forward_config_lowers_for_hopper(config, witness):
                   config=config)
 
 
-@pytest.mark.parametrize("config,witness", BACKWARD_CONFIGS, ids=[str(c[1][1:]) for c in BACKWARD_CONFIGS])
+@pytest.mark.parametrize("config,witness", BACKWARD_CONFIGS,
+                         ids=[str(c[1][1:]) for c in BACKWARD_CONFIGS])
 def test_every_shipped_backward_config_lowers_for_hopper(config, witness):
     _, l, e, ev, mask_dtype = witness
     config.check("bfloat16", e, ev, mask_dtype)

@@ -13,7 +13,9 @@ structure after FlashAttention-3, Shah et al. 2024, arXiv:2407.08608):
   warpgroup streams (block_kv, E) K and (block_kv, Ev) V tiles (and the
   program's (rows, block_kv) mask tile, if any) GMEM -> SMEM by TMA,
   `max_concurrent_steps` in flight, for `compute_wgs` compute warpgroups
-  that share them, each owning `block_q` query rows.
+  that share them, each owning `block_q` query rows. (Without it, the form
+  select_config gives the simulator, one warpgroup does both with
+  `plgpu.emit_pipeline`: attention_blocks.tile_pipeline.)
 - Each compute warpgroup copies its Q tile to SMEM once; then per key block:
   S = Q Kᵀ by `wgmma` into a float32 accumulator; s = S * scale + mask in
   base 2 (times log2 e, so that `exp2` serves); padded keys and keys after

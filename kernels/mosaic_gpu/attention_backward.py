@@ -23,7 +23,9 @@ does it without atomics; the warp-specialized Hopper structure after both):
   V (and mask) tiles are streamed over the visible key blocks (causal: up
   to the diagonal); dQ += dS K, dS from the registers.
 - Both kernels run on persistent grids (`plgpu.nd_loop` over the tiles, one
-  program per SM; causal tiles longest first). dK and dQ are scaled once at
+  program per SM; causal tiles longest first). Without warp specialization
+  (the form select_config gives the simulator) one warpgroup does both jobs
+  (attention_blocks.tile_pipeline). dK and dQ are scaled once at
   the end; every product accumulates in float32, P and dS enter wgmma in
   the input dtype.
 
@@ -90,7 +92,8 @@ class BackwardConfig:
         stages dS and the outputs apart)."""
         size = itemsize(dtype)
         e, ev = padded_head_dim(head_dim), padded_head_dim(value_dim)
-        bq, bk, steps, wgs = self.block_q, self.block_kv, self.max_concurrent_steps, self.compute_wgs
+        bq, bk, wgs = self.block_q, self.block_kv, self.compute_wgs
+        steps = self.max_concurrent_steps
         mask = 0 if mask_dtype is None else wgs * bq * bk * itemsize(mask_dtype)
         # K, V tiles (dK, dV leave through them), Pᵀ and dSᵀ tiles; Q, dO, lse, delta, mask
         dkv = wgs * (bk * (e + ev) + 2 * bq * bk) * size + steps * (

@@ -1,7 +1,8 @@
 """What the Hopper attention kernels (attention.py, attention_backward.py)
 share: the operands padded to whole blocks, the way each operand is staged
 for `wgmma` on the hardware and in the simulator, the visibility of scores
-(causal rule, padded keys), and the shared memory a configuration needs.
+(causal rule, padded keys), a tile's pipeline with or without warp
+specialization (`tile_pipeline`), and the shared-memory budget.
 
 Staging (`Target`). On the hardware wgmma reads 16-bit operands either way,
 so a transposed operand (Kᵀ in Q Kᵀ, Vᵀ in dO Vᵀ, Pᵀ and dSᵀ in the
@@ -13,7 +14,8 @@ outside the kernels, so every SMEM tile is read as it is stored, register
 operands go through an SMEM tile (`operand`), transposed ones are stored
 transposed (`stage_transposed`), and layouts (which never change values)
 are left to it. Everything else, the algorithm, the pipelines, every copy
-and barrier, is the same code on both.
+and barrier, is the same code on both. (The simulator runs the kernels'
+one-warpgroup form by default: see `tile_pipeline`.)
 
 Padding. The simulator raises on a block past an array's edge where the
 hardware's TMA zero-fills, so L, S are zero-padded to whole blocks and E, Ev

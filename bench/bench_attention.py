@@ -35,7 +35,7 @@ def serves(provider) -> bool:
 # The simulators only at the smallest size: they time a simulation.
 PROVIDERS = [p for p in providers() if serves(p)]
 CASES = [(p, shape, causal) for p in PROVIDERS for shape in SHAPES for causal in (False, True)
-         if not p.simulated or shape == min(SHAPES)]
+         if not p.simulated or (shape == min(SHAPES) and not SMOKE)]  # smoke: no simulations
 IDS = [f"{p.name}-{'x'.join(map(str, s))}-{'causal' if c else 'full'}" for p, s, c in CASES]
 
 

@@ -10,6 +10,17 @@ from torch_pallas import backends
 # Every backend that runs on this machine's CPU (Triton's under its
 # interpreter, which conftest.py turns on where there is no GPU).
 CPU_BACKENDS = tuple(b.name for b in backends.available("cpu"))
+
+
+def simulators_exhaustive(names=CPU_BACKENDS) -> list:
+    """The CPU backends as pytest params, the simulators' marked
+    `exhaustive`: for the long sweeps (torch's sample inputs, large ragged
+    shapes) that the default run makes on the other backends and
+    `pytest -m exhaustive` on the simulators too."""
+    import pytest
+
+    return [pytest.param(name, marks=[pytest.mark.exhaustive] if backends.get(name).simulated
+                         else [], id=name) for name in names]
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

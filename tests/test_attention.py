@@ -26,8 +26,8 @@ ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # The Mosaic GPU kernels take 16-bit inputs only (float32 falls back to Triton on a GPU).
 DTYPES_ON = {name: ((torch.bfloat16,) if name == "mosaic_gpu_interpret"
                     else (torch.float32, torch.bfloat16)) for name in CPU_BACKENDS}
-# The simulators take minutes over torch's samples: run with -m exhaustive
-# (CI runs it too); the default run simulates the op's examples (opcheck,
+# The simulators take minutes over torch's samples: run with -m exhaustive;
+# the default run simulates the op's examples (opcheck,
 # determinism, lowering) and each family's kernel tests its own cases.
 BACKEND_DTYPES = [
     pytest.param(b, d, marks=[pytest.mark.exhaustive] if backends.get(b).simulated else [],

@@ -62,8 +62,8 @@ def test_bench_suites_smoke_json_and_plots(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "bench" / "plot.py"), str(out), "--out", str(plots)],
                    check=True, capture_output=True)
     assert sorted(p.name for p in plots.glob("*.png")) == [
-        "add_float32.png", "fill_float32.png", "iota_int32.png", "matmul_float32.png",
-        "matmul_gelu_float32.png",
+        "add_float32.png", "attention_float32.png", "attention_fwd_bwd_float32.png",
+        "fill_float32.png", "iota_int32.png", "matmul_float32.png", "matmul_gelu_float32.png",
     ]
 
 

@@ -14,7 +14,7 @@ from torch_pallas.kernels.mosaic_gpu import matmul as mosaic_matmul
 from torch_pallas.kernels.tpu import matmul as tpu_matmul
 from torch_pallas.ops import matmul as matmul_op
 from torch_pallas.ops.matmul import as_kernel_operand
-from helpers import FLOAT_DTYPES, assert_within, random_tensor, shares_memory
+from helpers import FLOAT_DTYPES, assert_within, random_tensor, shares_memory, simulators_exhaustive
 
 SHAPES = [  # (M, K, N): tiny, ragged everywhere, exact tiles, K not a tile multiple
     (1, 1, 1),
@@ -70,6 +70,7 @@ def test_matmul_matches_float64(cpu_backend, m, k, n, dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cpu_backend", simulators_exhaustive(), indirect=True)
 def test_matmul_large_ragged(cpu_backend, dtype):
     check_matmul(random_tensor((1000, 999), dtype), random_tensor((999, 1001), dtype))
 

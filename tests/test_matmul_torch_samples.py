@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torch_pallas
 from torch_pallas.ops import matmul as matmul_op
 from torch_pallas import dtypes
-from helpers import FLOAT_DTYPES, assert_within
+from helpers import FLOAT_DTYPES, assert_within, simulators_exhaustive
 
 # (torch.testing._internal needs expecttest, which the test extra installs)
 from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
@@ -27,6 +27,7 @@ def samples(dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("cpu_backend", simulators_exhaustive(), indirect=True)
 def test_torch_sample_inputs(cpu_backend, dtype):
     checked = 0
     for name, x, args in samples(dtype):

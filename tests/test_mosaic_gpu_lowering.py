@@ -118,6 +118,7 @@ def test_matmul_kernels_lower(dtype, ba, m, n, k, bb):
         lower_matmul(dtype, config, (ba, k, m), (bb, k, n), transpose_a=True)
 
 
+@pytest.mark.exhaustive  # minutes; the shipped configurations lower in the default run
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_every_tunable_matmul_config_lowers(dtype):
     """Whatever the tuner may pick (matmul_tuning.candidates) fits the

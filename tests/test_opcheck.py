@@ -13,7 +13,7 @@ from torch_pallas import backends, registry
 
 
 # opcheck runs each example several times: the attention ops on the
-# simulators take minutes, and run with -m exhaustive (CI runs both).
+# simulators take minutes, and run with -m exhaustive.
 SLOW_ON_SIMULATORS = ("attention", "attention_backward")
 CASES = [
     pytest.param(backend, info, marks=[pytest.mark.exhaustive] if (

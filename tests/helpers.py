@@ -82,3 +82,48 @@ def kernel_calls(info) -> list[tuple[tuple, dict]]:
     finally:
         launch.compiled_kernel = real
     return calls
+
+
+FAKE_CUDA_TRACE = """
+import torch, torch_pallas
+from torch._functorch.aot_autograd import aot_export_module
+from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+{model}
+
+with FakeTensorMode():
+{inputs}
+    gm, _ = aot_export_module(Model(), inputs, trace_joint=False)
+
+def name(kernel):
+    while not hasattr(kernel, "__name__"):
+        kernel = kernel.fn
+    return kernel.__name__
+
+kernels = sorted({{name(kernel_side_table.get_kernel(i))
+                  for i in range(len(kernel_side_table.id_to_kernel))}})
+print("KERNELS", *kernels)
+print("WRAPPERS", gm.code.count("higher_order.triton_kernel_wrapper_functional("))
+print("OPAQUE", "torch.ops.pallas" in gm.code)
+"""
+
+
+def fake_cuda_trace(model: str, inputs: str) -> dict[str, str]:
+    """Traces `Model` (source defining an nn.Module class of that name) on
+    fake CUDA tensors (no GPU needed; `inputs`: source, indented by 4,
+    binding the tuple `inputs`) through AOTAutograd, in a fresh process
+    without TRITON_INTERPRET, and returns what the graph calls: the Triton
+    kernels' names (KERNELS), the wrapped launches (WRAPPERS) and whether
+    an opaque pallas op is left (OPAQUE)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = FAKE_CUDA_TRACE.format(model=textwrap.dedent(model),
+                                  inputs=textwrap.indent(textwrap.dedent(inputs), "    "))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return dict(line.split(" ", 1) for line in out.splitlines() if " " in line)

@@ -8,17 +8,13 @@ test_attention_<family>.py."""
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import torch_pallas
-from helpers import CPU_BACKENDS, assert_within
+from helpers import CPU_BACKENDS, assert_within, fake_cuda_trace
 from torch_pallas import backends, dtypes
 from torch_pallas.ops import attention as attention_op
 
@@ -50,7 +46,6 @@ def compare(args, kwargs, dtype, *, backward: bool, what: str):
     and, with `backward`, every input's gradient, each within twice torch's
     own error in `dtype` plus a floor."""
     inputs = [a for a in (*args, kwargs.get("attn_mask")) if isinstance(a, torch.Tensor)]
-    needs = [t for t in inputs if t.requires_grad]
 
     def run(fn, cast):
         leaves = [cast(t).detach().requires_grad_(t.requires_grad) for t in inputs]
@@ -330,49 +325,27 @@ def test_nn_functional_is_a_drop_in():
         F.scaled_dot_product_attention(q, k, v, None, 0.0, True, scale=0.2))
 
 
-# Traces the ops on fake CUDA tensors through AOTAutograd (no GPU needed):
-# the graph must call the Triton kernels, not JAX.
-FAKE_CUDA_TRACE = textwrap.dedent(
-    """
-    import torch, torch_pallas
-    from torch._functorch.aot_autograd import aot_export_module
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    class Model(torch.nn.Module):
-        def forward(self, q, k, v, mask, grad):
-            out = torch.ops.pallas.attention(q, k, v, mask, enable_gqa=True)
-            o, lse = torch.ops.pallas.attention_forward(q, k, v, None, 0.125, True)
-            grads = torch.ops.pallas.attention_backward(q, k, v, o, grad, lse, None, 0.125, True)
-            return (out, *grads)
-
-    with FakeTensorMode():
-        q = torch.randn(2, 4, 100, 64, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(2, 2, 130, 64, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(2, 2, 130, 64, device="cuda", dtype=torch.bfloat16)
-        mask = torch.rand(2, 1, 1, 130, device="cuda") > 0.5
-        grad = torch.randn(2, 4, 100, 64, device="cuda", dtype=torch.bfloat16)
-        gm, _ = aot_export_module(Model(), (q, k, v, mask, grad), trace_joint=False)
-
-    def name(kernel):
-        while not hasattr(kernel, "__name__"):
-            kernel = kernel.fn
-        return kernel.__name__
-
-    kernels = sorted({name(kernel_side_table.get_kernel(i))
-                      for i in range(len(kernel_side_table.id_to_kernel))})
-    print("KERNELS", *kernels)
-    print("WRAPPERS", gm.code.count("higher_order.triton_kernel_wrapper_functional("))
-    print("OPAQUE", "torch.ops.pallas" in gm.code)
-    """
-)
+# The graph traced on fake CUDA tensors must call the Triton kernels, not JAX.
+TRACED_MODEL = """
+class Model(torch.nn.Module):
+    def forward(self, q, k, v, mask, grad):
+        out = torch.ops.pallas.attention(q, k, v, mask, enable_gqa=True)
+        o, lse = torch.ops.pallas.attention_forward(q, k, v, None, 0.125, True)
+        grads = torch.ops.pallas.attention_backward(q, k, v, o, grad, lse, None, 0.125, True)
+        return (out, *grads)
+"""
+TRACED_INPUTS = """
+q = torch.randn(2, 4, 100, 64, device="cuda", dtype=torch.bfloat16)
+k = torch.randn(2, 2, 130, 64, device="cuda", dtype=torch.bfloat16)
+v = torch.randn(2, 2, 130, 64, device="cuda", dtype=torch.bfloat16)
+mask = torch.rand(2, 1, 1, 130, device="cuda") > 0.5
+grad = torch.randn(2, 4, 100, 64, device="cuda", dtype=torch.bfloat16)
+inputs = (q, k, v, mask, grad)
+"""
 
 
 def test_tracing_on_cuda_tensors_reaches_the_triton_kernels():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", FAKE_CUDA_TRACE], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    lines = fake_cuda_trace(TRACED_MODEL, TRACED_INPUTS)
     assert len(lines["KERNELS"].split()) >= 3, lines["KERNELS"]  # forward, backward's
     assert int(lines["WRAPPERS"]) >= 3
     assert lines["OPAQUE"] == "False"  # no call into JAX left in the graph

@@ -5,61 +5,35 @@ TRITON_INTERPRET=1, in the op tests.)"""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 import torch_pallas
+from helpers import fake_cuda_trace
 
 # Traces every op on fake CUDA tensors (no GPU needed) through AOTAutograd
 # and prints what the graph calls. (Forward only: tracing a backward creates
 # autograd nodes on the CUDA device, which a CPU-only torch cannot.)
-FAKE_CUDA_TRACE = textwrap.dedent(
-    """
-    import torch, torch_pallas
-    from torch._functorch.aot_autograd import aot_export_module
-    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    class Model(torch.nn.Module):
-        def forward(self, a, b, x):
-            h = torch.ops.pallas.matmul(a, b)
-            h = torch.ops.pallas.add(h, x)
-            ramp = torch.ops.pallas.iota(h.shape[-1], dtype=h.dtype, device=h.device)
-            half = torch.ops.pallas.fill(h.shape, 0.5, dtype=h.dtype, device=h.device)
-            return (torch.ops.pallas.add(h, ramp).mul(half),)
-
-    with FakeTensorMode():
-        a = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(48, 32, device="cuda", dtype=torch.bfloat16).t()  # read in place
-        x = torch.randn(48, device="cuda", dtype=torch.bfloat16)
-        gm, _ = aot_export_module(Model(), (a, b, x), trace_joint=False)
-
-    def name(kernel):
-        while not hasattr(kernel, "__name__"):
-            kernel = kernel.fn
-        return kernel.__name__
-
-    kernels = sorted({name(kernel_side_table.get_kernel(i))
-                      for i in range(len(kernel_side_table.id_to_kernel))})
-    print("KERNELS", *kernels)
-    print("WRAPPERS", gm.code.count("higher_order.triton_kernel_wrapper_functional("))
-    print("OPAQUE", "torch.ops.pallas" in gm.code)
-    """
-)
+TRACED_MODEL = """
+class Model(torch.nn.Module):
+    def forward(self, a, b, x):
+        h = torch.ops.pallas.matmul(a, b)
+        h = torch.ops.pallas.add(h, x)
+        ramp = torch.ops.pallas.iota(h.shape[-1], dtype=h.dtype, device=h.device)
+        half = torch.ops.pallas.fill(h.shape, 0.5, dtype=h.dtype, device=h.device)
+        return (torch.ops.pallas.add(h, ramp).mul(half),)
+"""
+TRACED_INPUTS = """
+a = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(48, 32, device="cuda", dtype=torch.bfloat16).t()  # read in place
+x = torch.randn(48, device="cuda", dtype=torch.bfloat16)
+inputs = (a, b, x)
+"""
 
 
 def test_tracing_on_cuda_tensors_reaches_the_triton_kernels():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run(
-        [sys.executable, "-c", FAKE_CUDA_TRACE], env=env, check=True,
-        capture_output=True, text=True,
-    ).stdout
-    lines = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+    lines = fake_cuda_trace(TRACED_MODEL, TRACED_INPUTS)
     assert lines["KERNELS"].split() == ["add_kernel", "fill_kernel", "iota_kernel", "matmul_kernel"]
     assert int(lines["WRAPPERS"]) == 5  # matmul, add, iota, fill, add
     assert lines["OPAQUE"] == "False"  # no call into JAX left in the graph

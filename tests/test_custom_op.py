@@ -166,9 +166,9 @@ def test_outputs_the_api_cannot_map_raise_clearly():
 
 
 def test_inputs_and_signatures_the_api_cannot_map_raise_clearly():
-    with pytest.raises(TypeError, match="usertest::bad_param: parameter 'n' must be annotated"):
+    with pytest.raises(TypeError, match="usertest::bad_param: parameter 'n' has annotation"):
         @torch_pallas.custom_op("usertest::bad_param")
-        def bad_param(x: torch.Tensor, n: str) -> torch.Tensor:
+        def bad_param(x: torch.Tensor, n: dict[str, int]) -> torch.Tensor:
             return x
 
     with pytest.raises(TypeError, match="usertest::no_return: annotate the return"):
@@ -180,8 +180,8 @@ def test_inputs_and_signatures_the_api_cannot_map_raise_clearly():
     def identity(x: torch.Tensor) -> torch.Tensor:
         return x + 0
 
-    with pytest.raises(TypeError, match="usertest::identity: x has dtype torch.float64"):
-        torch.ops.usertest.identity(torch.randn(3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="usertest::identity: x has dtype torch.complex64"):
+        torch.ops.usertest.identity(torch.randn(3, dtype=torch.complex64))
     with pytest.raises(TypeError, match="usertest::identity: x must be a dense .* torch.sparse_coo"):
         torch.ops.usertest.identity(torch.randn(3).to_sparse())
     with pytest.raises(TypeError, match="usertest::identity: x must be a torch.Tensor, got None"):
@@ -195,9 +195,9 @@ def test_inputs_and_signatures_the_api_cannot_map_raise_clearly():
 
 def test_autograd_paths_of_a_user_op():
     """Without gradients the op runs below autograd (no graph); with them,
-    backward gets only the gradients asked for; an op without a backward
-    says so when differentiated."""
-    @torch_pallas.custom_op("usertest::times_two")
+    backward gets only the gradients asked for; an op declared not
+    differentiable says so when differentiated."""
+    @torch_pallas.custom_op("usertest::times_two", differentiable=False)
     def times_two(x: torch.Tensor) -> torch.Tensor:
         return x * 2
 

@@ -13,7 +13,9 @@ DLPack cannot take directly is made acceptable first, never reinterpreted:
   re-viewed with row-major strides (no copy), since JAX would otherwise
   import it with a non-default layout that compiled kernels refuse (NumPy
   views need no such care: NumPy's contiguity ignores those strides);
-- 64-bit dtypes are refused: JAX without x64 narrows them to 32 bits silently.
+- 64-bit dtypes are refused unless JAX's 64-bit mode is on (a custom op's
+  kernel with 64-bit tensors runs under it): without it JAX narrows them to
+  32 bits silently.
 
 Per call, the protocol's Python on both sides costs more than a small
 kernel, so the crossings call jaxlib's capsule import/export directly (CPU
@@ -78,25 +80,35 @@ def to_kernel_argument(tensor: torch.Tensor):
     imports NumPy arguments in C++, for a third of a DLPack import's cost,
     and as DLPack does, without a copy when the data is 64-byte aligned (a
     copy otherwise), onto whichever CPU client the kernel was compiled for.
-    bfloat16, which NumPy lacks, is viewed as ml_dtypes' bfloat16 (JAX's)."""
+    bfloat16 and float8, which NumPy lacks, are viewed as ml_dtypes' types
+    (JAX's)."""
     tensor = shareable(tensor)
     if tensor.device.type != "cpu":
         return _importer()(row_major(tensor))
-    if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(_numpy_bfloat16())
+    if tensor.dtype in _BIT_VIEWS:
+        bits, name = _BIT_VIEWS[tensor.dtype]
+        return tensor.view(bits).numpy().view(_ml_dtype(name))
     return tensor.numpy()
 
 
+# dtype -> (an integer dtype of its width, ml_dtypes' name of the type).
+_BIT_VIEWS = {
+    torch.bfloat16: (torch.int16, "bfloat16"),
+    torch.float8_e4m3fn: (torch.uint8, "float8_e4m3fn"),
+    torch.float8_e5m2: (torch.uint8, "float8_e5m2"),
+}
+
+
 @functools.cache
-def _numpy_bfloat16():
+def _ml_dtype(name: str):
     import ml_dtypes  # JAX's own dependency
 
-    return ml_dtypes.bfloat16
+    return getattr(ml_dtypes, name)
 
 
 def shareable(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` in a form JAX imports as it is (see the module's notes)."""
-    if tensor.dtype in NARROWED_BY_JAX:
+    if tensor.dtype in NARROWED_BY_JAX and not jax_env.x64_enabled():
         raise TypeError(
             f"torch_pallas: {tensor.dtype} cannot cross to JAX without being "
             "narrowed to 32 bits; convert it explicitly first"

@@ -24,6 +24,7 @@ the simulators' state, does without).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -61,6 +62,41 @@ def simulate_tpu_on_cpu() -> None:
             tpu_info.ChipVersion.TPU_V5P, SIMULATED_TPU_CORES
         ),
     )
+
+
+def x64_scope(enabled: bool = True):
+    """A context with JAX's 64-bit mode on (`jax.enable_x64`) for what runs
+    inside it alone: a custom op's kernel that takes or returns 64-bit
+    arrays is traced, compiled and called there. A no-op when not
+    `enabled`."""
+    if not enabled:
+        return contextlib.nullcontext()
+    jax_ = jax()
+    enable = getattr(jax_, "enable_x64", None)
+    if enable is None:  # JAX versions that kept it in jax.experimental
+        from jax.experimental import enable_x64 as enable
+    return enable(True)
+
+
+def x64_enabled() -> bool:
+    """Whether JAX's 64-bit mode is on here (in this thread's context)."""
+    return bool(jax().config.read("jax_enable_x64"))
+
+
+def forced_interpret(params):
+    """A context in which every Pallas kernel traced runs interpreted with
+    `params` (True: JAX's generic interpreter; TPU or GPU interpret-mode
+    parameters: the simulators), whatever `interpret=` the code passes or
+    omits: JAX's `pltpu.force_tpu_interpret_mode`, which sets the one
+    setting that `pl.pallas_call`, `pl.kernel`, `core_map` and
+    `plgpu.kernel` all read. A no-op for None (the hardware)."""
+    if params is None:
+        return contextlib.nullcontext()
+    jax()
+    from jax.experimental.pallas import tpu as pltpu
+
+    force = getattr(pltpu, "force_tpu_interpret_mode", None)
+    return contextlib.nullcontext() if force is None else force(params)
 
 
 _synchronous_cpu_lock = threading.Lock()

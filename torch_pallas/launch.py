@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from torch_pallas import backends, bridge, compilation, compile_cache, compile_path, dtypes
+from torch_pallas import jax_env
 from torch_pallas import registry, simulators
 from torch_pallas.backends import Backend
 from torch_pallas.errors import BackendError, add_note
@@ -34,8 +35,31 @@ def static_key(params: Mapping[str, Any]) -> tuple:
     """The op's static parameters as a cache key. Floats are keyed by their
     bits: -0.0 == 0.0 would share a kernel, and a NaN, unequal to itself,
     would never find its own."""
-    return tuple((name, value.hex() if isinstance(value, float) else value)
-                 for name, value in params.items())
+    return tuple((name, _static_value(value)) for name, value in params.items())
+
+
+def _static_value(value):
+    if isinstance(value, float):
+        return value.hex()
+    if isinstance(value, tuple):
+        return tuple(_static_value(v) for v in value)
+    return value
+
+
+def user_interpret(device: torch.device, op: str):
+    """What a user's function (custom_op) gets as `interpret` on the
+    backend that would serve a call of `op` on `device`: what the shape
+    evaluation passes, so it traces as the run does. True (JAX's generic
+    interpreter) where no backend serves the device here (fake CUDA
+    tensors on a machine without a GPU: the run would not happen)."""
+    try:
+        backend = backends.select(device, qualified_name(op))
+    except BackendError:
+        return True
+    if backend.family == "triton":
+        return True
+    detect_races = backend.simulated and simulators.detecting_races()
+    return backend.execution(device=device, takes_inputs=True, detect_races=detect_races)["interpret"]
 
 
 def _shipped_kernel(op: str, backend: Backend, device: torch.device, avals, params):
@@ -129,10 +153,16 @@ def run(
     inputs: tuple[torch.Tensor, ...] = (),
     params: Mapping[str, Any] | None = None,
     user_function: Callable | None = None,
+    x64: bool = False,
 ):
     """Runs op `op`'s kernel on `inputs`; returns what the kernel returns, as
     torch tensors. `params` are the op's static parameters (hashable); they
-    are part of the compiled kernel's identity."""
+    are part of the compiled kernel's identity. `x64`: the kernel is traced,
+    compiled and run with JAX's 64-bit mode on (a user's function taking
+    64-bit tensors)."""
+    if x64:
+        with jax_env.x64_scope():
+            return run(op, device, inputs, params, user_function)
     if compile_path.tracing_triton():
         triton = backends.get("triton")
         spec = registry.get(op).kernel(triton)

@@ -9,33 +9,30 @@ other sizes, and each output dimension is matched to the symbol it follows
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 
 import torch
 
-from torch_pallas import dtypes, jax_env, op_signature, torch_compat
+from torch_pallas import dtypes, jax_env, torch_compat
 from torch_pallas.errors import add_note
 
 
 @functools.lru_cache(maxsize=256)
-def output_types(name: str, fn: Callable, outputs, avals: tuple, statics: tuple):
-    """[(shape, torch dtype)] of the outputs of `fn` (a custom op's
-    `op_signature.kernel_entry`), by jax.eval_shape."""
+def output_types(name: str, fn: Callable, avals: tuple, statics: tuple):
+    """[(shape, torch dtype)] of the outputs of `fn` (a custom op's kernel
+    entry, returning a tuple of arrays) called with arrays of `avals` and
+    the keyword arguments `statics` (the backend's `interpret` among them,
+    so the evaluation traces what the run traces), by jax.eval_shape."""
     jax = jax_env.jax()
     jax_env.simulate_tpu_on_cpu()
-    kwargs = dict(statics)
-    if "interpret" in inspect.signature(fn).parameters:
-        kwargs["interpret"] = True
     structs = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype)) for shape, dtype in avals]
     try:
-        result = jax.eval_shape(functools.partial(fn, **kwargs), *structs)
+        result = jax.eval_shape(functools.partial(fn, **dict(statics)), *structs)
     except Exception as e:
         add_note(e, f"{name}: tracing the JAX function for inputs {list(avals)} "
                     f"and parameters {dict(statics)}")
         raise
-    return [(tuple(leaf.shape), op_signature.TORCH_DTYPES[str(leaf.dtype)])
-            for leaf in ([result] if outputs is None else result)]
+    return [(tuple(leaf.shape), dtypes.TORCH_DTYPES[str(leaf.dtype)]) for leaf in result]
 
 
 # The sizes a symbol takes in the probes of `_symbolic_output_shapes`, from
@@ -51,7 +48,7 @@ PROBE_SIZES = (
 )
 
 
-def symbolic_output_shapes(name, fn, tensors, statics, outputs):
+def symbolic_output_shapes(name, fn, tensors, statics):
     """Output shapes for (possibly symbolic) fake inputs. JAX cannot trace a
     Pallas kernel at symbolic sizes, so the function is probed: its output
     shapes are evaluated at the size hints and again at other sizes for every
@@ -64,7 +61,7 @@ def symbolic_output_shapes(name, fn, tensors, statics, outputs):
     statics_key = tuple(statics.items())
     dtypes_ = [dtypes.jax_name(t.dtype) for t in tensors]
     hints = [tuple(concrete(d) for d in t.shape) for t in tensors]
-    base = output_types(name, fn, outputs, tuple(zip(hints, dtypes_)), statics_key)
+    base = output_types(name, fn, tuple(zip(hints, dtypes_)), statics_key)
     symbols: dict[str, tuple[torch.SymInt, int, int]] = {}  # expr -> (sym, hint, factor)
     for t in tensors:
         for d in t.shape:
@@ -84,7 +81,7 @@ def symbolic_output_shapes(name, fn, tensors, statics, outputs):
                   for d, h in zip(t.shape, hint))
             for t, hint in zip(tensors, hints)
         ]
-        return output_types(name, fn, outputs, tuple(zip(shapes, dtypes_)), statics_key)
+        return output_types(name, fn, tuple(zip(shapes, dtypes_)), statics_key)
 
     sizes, outs = [], []  # the probes that traced, and their output types
     for i, size in enumerate(PROBE_SIZES):

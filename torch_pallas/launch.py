@@ -129,17 +129,35 @@ def compiled_kernel(
         backend, _ = _shipped_kernel(op, backend, device, avals, params)
     detect_races = backend.simulated and simulators.detecting_races()
     key = (op, backend.name, device, avals, static, detect_races)
+    if user_function is not None:  # one op may run several (a custom op's forward and vjp)
+        key += (user_function,)
 
     def build():
         entry, options = _entry(op, backend, device, avals, params, detect_races, user_function)
         if backend.family == "triton":
             return entry  # launched on torch tensors as it is
+        from torch_pallas import kernel_advice, mosaic_gpu_pallas_call
+
+        if user_function is not None and backend.name == "mosaic_gpu_interpret":
+            # Windowed pallas_calls run as Mosaic GPU runs them on a GPU.
+            entry = mosaic_gpu_pallas_call.simulated(entry)
         try:
-            return compilation.build(entry, avals, options, backend, device)
+            kernel = compilation.build(entry, avals, options, backend, device)
         except Exception as e:
-            add_note(e, f"{name}: building its {backend.name!r} kernel for inputs "
+            building = (f"{name}: building its {backend.name!r} kernel for inputs "
                         f"{list(avals)} and parameters {dict(params)}")
+            add_note(e, building)
+            if user_function is not None:  # what limit a user's kernel hit, and what to do
+                takes = "interpret" in inspect.signature(user_function).parameters
+                advice = kernel_advice.explain(e, op=name, backend=backend.name,
+                                               takes_interpret=takes)
+                if advice is not None:
+                    add_note(advice, building)
+                    raise advice from e
             raise
+        if user_function is not None:
+            kernel_advice.check_grid(name, backend.name, entry, avals)
+        return kernel
 
     kernel = compile_cache.compiled.get(key, build)
     if backends.choice_is_stable(backend, device):
@@ -175,7 +193,7 @@ def run(
     arrays = [bridge.to_kernel_argument(t) for t in inputs]
     if not backend.simulated:
         return _to_torch(kernel(*arrays))
-    _, _, _, avals, _, detect_races = key
+    _, _, _, avals, _, detect_races = key[:6]
     out = simulators.run(
         backend, kernel, arrays, detect_races=detect_races,
         describe=lambda: f"{qualified_name(op)} (inputs {list(avals)}, parameters {params})",

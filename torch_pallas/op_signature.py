@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import threading
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -71,7 +70,7 @@ class Param:
         if value is None:
             return None
         if self.is_object and not isinstance(value, str):  # a token stays one
-            return STATIC_OBJECTS.token(value)
+            return _token(value)
         if self.schema_type.endswith("[]") and isinstance(value, tuple):
             return list(value)
         return value
@@ -121,22 +120,20 @@ def _schema_default(param: Param, value) -> str:
 class StaticObjects:
     """Hashable objects (a kernel's config dataclass) as the tokens a torch
     schema can carry: equal objects share one token, for the process's
-    lifetime, so a token names one kernel configuration."""
+    lifetime, so a token names one kernel configuration. No lock (Dynamo
+    traces this): a token is claimed by dict.setdefault, atomic in CPython,
+    and tried again if another object took it first."""
 
     def __init__(self):
         self._tokens: dict[Any, str] = {}
         self._objects: dict[str, Any] = {}
-        self._lock = threading.Lock()
 
     def token(self, obj) -> str:
         token = self._tokens.get(obj)
-        if token is None:
-            with self._lock:
-                token = self._tokens.get(obj)
-                if token is None:
-                    token = f"{type(obj).__qualname__}#{len(self._objects)}"
-                    self._tokens[obj] = token
-                    self._objects[token] = obj
+        while token is None:
+            candidate = f"{type(obj).__qualname__}#{len(self._objects)}"
+            if self._objects.setdefault(candidate, obj) == obj:  # ours, or an equal object's
+                token = self._tokens.setdefault(obj, candidate)
         return token
 
     def get(self, token: str):
@@ -150,6 +147,16 @@ class StaticObjects:
 
 
 STATIC_OBJECTS = StaticObjects()
+
+
+def _token(obj) -> str:
+    """The object's token. Marked `torch.compiler.assume_constant_result`
+    once an op takes objects (marking imports Dynamo, which `import
+    torch_pallas` must not): Dynamo then calls it for real while it traces
+    (the table must hold the token before the op's fake function looks it
+    up) and keeps the result as a constant; the object is guarded as any
+    input is."""
+    return STATIC_OBJECTS.token(obj)
 
 
 def _classify(op: str, p: inspect.Parameter) -> Param:
@@ -241,6 +248,8 @@ class Signature:
         self.takes_interpret = INTERPRET in self.signature.parameters
         self.params = [_classify(name, p) for p in self.signature.parameters.values()
                        if p.name != INTERPRET]
+        if any(p.is_object for p in self.params):
+            torch.compiler.assume_constant_result(_token)  # marks it in place
         self.tensors = [p.name for p in self.params if p.is_tensor]
         self.statics = [p.name for p in self.params if not p.is_tensor]
         if not self.tensors:

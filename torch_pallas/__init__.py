@@ -11,7 +11,7 @@ from torch_pallas import functional, nn, registry
 from torch_pallas.backends import BACKENDS, backend
 from torch_pallas.compile_cache import clear as clear_cache
 from torch_pallas.custom_ops import custom_op
-from torch_pallas.errors import BackendError, RaceDetectedError
+from torch_pallas.errors import BackendError, BackendLimitError, FineGridWarning, RaceDetectedError
 from torch_pallas.functional import linear
 from torch_pallas.simulators import race_detection
 
@@ -23,6 +23,8 @@ globals().update({name: getattr(functional, name) for name in _OPS})
 __all__ = [
     "BACKENDS",
     "BackendError",
+    "BackendLimitError",
+    "FineGridWarning",
     "RaceDetectedError",
     "backend",
     "clear_cache",

@@ -14,9 +14,9 @@ import contextvars
 import threading
 from collections.abc import Callable, Iterator
 
-from torch_pallas import jax_env
+from torch_pallas import jax_env, kernel_advice
 from torch_pallas.backends import Backend
-from torch_pallas.errors import RaceDetectedError
+from torch_pallas.errors import RaceDetectedError, add_note
 
 _detect_races: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "torch_pallas_detect_races", default=False
@@ -50,8 +50,11 @@ def run(backend: Backend, kernel: Callable, arrays: list, *, detect_races: bool,
         try:
             out = kernel(*arrays)
             jax_env.jax().block_until_ready(out)
-        except Exception:
+        except Exception as e:
             jax_env.reset_simulator(backend.family)
+            note = kernel_advice.runtime_note(e, backend.name)
+            if note is not None:
+                add_note(e, f"{describe()}: {note}")
             raise
         if detect_races and jax_env.races_found(backend.family):
             raise RaceDetectedError(

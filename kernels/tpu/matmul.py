@@ -46,6 +46,25 @@ class MatmulConfig:
         return cls(block_b=1, block_m=128, block_n=128, block_k=128)
 
 
+def product(a, b, batch: int, transpose_a: bool, transpose_b: bool):
+    """The float32 product of blocks a and b (a batch of 1 broadcast)."""
+    a = jnp.broadcast_to(a, (batch, *a.shape[1:]))
+    b = jnp.broadcast_to(b, (batch, *b.shape[1:]))
+    contract = ((1 if transpose_a else 2,), (2 if transpose_b else 1,))
+    # float32 at HIGHEST: the MXU's default for float32 is one bfloat16
+    # pass, less than torch allows at any float32 matmul precision.
+    return jax.lax.dot_general(
+        a, b, (contract, ((0,), (0,))), precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )
+
+
+def one_block_kernel(a_ref, b_ref, o_ref, *, transpose_a, transpose_b):
+    """The whole product as one block: no grid, no pipeline."""
+    o_ref[...] = product(a_ref[...], b_ref[...], o_ref.shape[0], transpose_a,
+                         transpose_b).astype(o_ref.dtype)
+
+
 def matmul_kernel(a_hbm, b_hbm, o_hbm, acc_vmem=None, *, blocks, transpose_a, transpose_b,
                   num_cores):
     """blocks: (bb, bm, bn, bk); a_hbm (Ba, M, K) or (Ba, K, M), b_hbm
@@ -58,16 +77,7 @@ def matmul_kernel(a_hbm, b_hbm, o_hbm, acc_vmem=None, *, blocks, transpose_a, tr
     a_batched, b_batched = a_hbm.shape[0] > 1, b_hbm.shape[0] > 1
 
     def block_product(a_vmem, b_vmem):
-        a, b = a_vmem[...], b_vmem[...]
-        a = jnp.broadcast_to(a, (bb, *a.shape[1:]))
-        b = jnp.broadcast_to(b, (bb, *b.shape[1:]))
-        contract = ((1 if transpose_a else 2,), (2 if transpose_b else 1,))
-        # float32 at HIGHEST: the MXU's default for float32 is one bfloat16
-        # pass, less than torch allows at any float32 matmul precision.
-        return jax.lax.dot_general(
-            a, b, (contract, ((0,), (0,))), precision=jax.lax.Precision.HIGHEST,
-            preferred_element_type=jnp.float32,
-        )
+        return product(a_vmem[...], b_vmem[...], bb, transpose_a, transpose_b)
 
     def body(a_vmem, b_vmem, o_vmem):
         if k_steps == 1:  # the whole K in one block: no accumulator round trip
@@ -116,6 +126,15 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
     batch, m, n, k = matmul_dims(a.shape, b.shape, transpose_a, transpose_b)
     bb, bm, bn, bk = (config.block_b or batch, config.block_m or m,
                       config.block_n or n, config.block_k or k)
+    if (bb, bm, bn, bk) == (batch, m, n, k) and num_cores == 1:
+        # One block on one core (the CPU's configuration): a pallas_call
+        # without a grid, which JAX lowers in a fifth of the pipelined
+        # form's time (a kernel is built per new shape) into the same dot.
+        return pl.pallas_call(
+            functools.partial(one_block_kernel, transpose_a=transpose_a, transpose_b=transpose_b),
+            out_shape=jax.ShapeDtypeStruct((batch, m, n), a.dtype),
+            interpret=interpret,
+        )(a, b)
     bp, mp, np_, kp = round_up(batch, bb), round_up(m, bm), round_up(n, bn), round_up(k, bk)
 
     def padded(x, rows, cols, transposed):

@@ -175,6 +175,27 @@ def test_parallel_and_sequential_dimensions():
     assert_within(out, ref, 1e-5 * (1 + ref.abs()), "weighted_column_blocks")
 
 
+@torch_pallas.custom_op("test_mosaic_gpu_pallas_call::row_per_program")
+def row_per_program_op(x: torch.Tensor, interpret=None) -> torch.Tensor:
+    """Whole arrays in GMEM, one program per row: windows the simulator
+    takes, a pl.program_id it reads as 0 for every program."""
+    def kernel(x_ref, o_ref):
+        i = pl.program_id(0)
+        o_ref[i] = x_ref[i] + i.astype(x_ref.dtype)
+
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+    return pl.pallas_call(kernel, grid=(x.shape[0],), in_specs=[gmem], out_specs=gmem,
+                          out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          interpret=interpret)(x)
+
+
+def test_program_ids_of_a_grid_over_whole_arrays():
+    x = torch.randn(4, 128)
+    with torch_pallas.backend(SIMULATOR):
+        out = torch.ops.test_mosaic_gpu_pallas_call.row_per_program(x)
+    assert_within(out, x.double() + torch.arange(4).double()[:, None], 1e-6, "row_per_program")
+
+
 @PALLAS_CALL_DEPRECATED
 def test_windowed_kernels_lower_for_hopper():
     for f in (scaled_rows, weighted_column_blocks):

@@ -148,7 +148,7 @@ def compiled_kernel(
                         f"{list(avals)} and parameters {dict(params)}")
             add_note(e, building)
             if user_function is not None:  # what limit a user's kernel hit, and what to do
-                takes = "interpret" in inspect.signature(user_function).parameters
+                takes = getattr(user_function, "takes_interpret", True)  # op_signature.Signature.entry
                 advice = kernel_advice.explain(e, op=name, backend=backend.name,
                                                takes_interpret=takes)
                 if advice is not None:

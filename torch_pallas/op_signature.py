@@ -382,6 +382,7 @@ class Signature:
                 result = fn(**dict(zip(present, arrays)), **absent, **statics, **bound)
             return tuple(self.flatten(result))
 
+        entry.takes_interpret = takes_interpret  # whether the user's function does
         entry.__signature__ = inspect.Signature(
             [inspect.Parameter("arrays", inspect.Parameter.VAR_POSITIONAL),
              inspect.Parameter(INTERPRET, inspect.Parameter.KEYWORD_ONLY, default=None),

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from torch_pallas import dtypes, launch, registration, registry
+from torch_pallas import dtypes, launch, registration, registry, shape_buckets
 from torch_pallas.ops import checks
 
 OP = "pallas::matmul"
@@ -114,8 +114,35 @@ def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     params = {"transpose_a": transpose_a, "transpose_b": transpose_b}
     if a.dtype == torch.float32:
         params["precision"] = float32_precision()
+    a3, b3, (m, n) = bucketed(a3, b3, transpose_a, transpose_b)
     out = launch.run("matmul", a.device, (a3, b3), params)
+    if out.shape[1:] != (m, n):
+        out = out[:, :m, :n].contiguous()  # a copy only where the rows do not end it
     return out.reshape(shape)
+
+
+def bucketed(a3, b3, transpose_a: bool, transpose_b: bool):
+    """(a3, b3, (M, N)): the operands zero-padded along M, N and K to the
+    sizes torch_pallas.shape_buckets chooses once a size changes from call
+    to call (a model whose token count varies builds a bounded number of
+    kernels), and the unpadded output size. On the CPU only: CUDA's
+    Triton kernels take their sizes at run time."""
+    m, k = (a3.shape[2], a3.shape[1]) if transpose_a else a3.shape[1:]
+    n = b3.shape[1] if transpose_b else b3.shape[2]
+    if not shape_buckets.enabled or a3.device.type != "cpu":
+        return a3, b3, (m, n)
+    family = (a3.device, a3.dtype, a3.shape[0], b3.shape[0], transpose_a, transpose_b)
+    mp = shape_buckets.size((*family, "m", n, k), m)
+    np_ = shape_buckets.size((*family, "n", m, k), n)
+    kp = shape_buckets.size((*family, "k", m, n), k)
+    if (mp, np_, kp) == (m, n, k):
+        return a3, b3, (m, n)
+    a_rows, a_cols = (kp, mp) if transpose_a else (mp, kp)
+    b_rows, b_cols = (np_, kp) if transpose_b else (kp, np_)
+    pad = torch.nn.functional.pad
+    a3 = pad(a3, (0, a_cols - a3.shape[2], 0, a_rows - a3.shape[1]))
+    b3 = pad(b3, (0, b_cols - b3.shape[2], 0, b_rows - b3.shape[1]))
+    return a3, b3, (m, n)
 
 
 def float32_precision() -> str:
@@ -142,6 +169,10 @@ def _setup_context(ctx, inputs, output):
         a if ctx.needs_input_grad[1] else None, b if ctx.needs_input_grad[0] else None
     )
     ctx.shapes = (a.shape, b.shape)
+    # b viewing a transposed matrix (linear's weight.t()): its gradient is
+    # computed in the matrix's own layout, which AccumulateGrad then keeps
+    # as it is instead of copying it into the weight's layout.
+    ctx.b_transposed = b.dim() == 2 and not b.is_contiguous() and b.mT.is_contiguous()
 
 
 def _backward(ctx, grad):
@@ -162,10 +193,11 @@ def _backward(ctx, grad):
         a_rows = a.reshape(a_mat)
         if len(b_mat) == 2:  # b has no batch: fold every batch into one product
             rows = math.prod(grad.shape[:-1])  # not -1: K or N may be 0
-            grad_b = torch.ops.pallas.matmul(
-                a_rows.reshape(rows, a_mat[-1]).mT,
-                grad.reshape(rows, b_mat[-1]),
-            )
+            a_flat, grad_flat = a_rows.reshape(rows, a_mat[-1]), grad.reshape(rows, b_mat[-1])
+            if ctx.b_transposed:  # (dC^T @ A)^T: the transposed matrix's layout
+                grad_b = torch.ops.pallas.matmul(grad_flat.mT, a_flat).mT
+            else:
+                grad_b = torch.ops.pallas.matmul(a_flat.mT, grad_flat)
         else:
             grad_b = torch.ops.pallas.matmul(a_rows.mT, grad).sum_to_size(b_mat)
         grad_b = grad_b.reshape(b_shape)

@@ -1,0 +1,122 @@
+"""A transformers Llama converted with `torch_pallas.nn.replace_linear`
+against the same model unconverted, in one run: a training step, the first
+pass over a batch of changing lengths (every new length builds kernels:
+torch_pallas.shape_buckets bounds how many) and `generate` with the KV
+cache. Throughput in tokens/s and the ratio to torch.
+
+CPU: vocabulary 4096, hidden 512, 2 layers, 8 heads (4 key/value heads),
+intermediate 1376; training batch 4 x 256 tokens; the changing lengths
+are 100, 110, ..., 190 tokens at batch 4, each compile cache cleared
+before a round (a fresh process's first pass, in-process); `generate` 32
+tokens greedily from a 16-token prompt at batch 1.
+
+    OMP_WAIT_POLICY=PASSIVE pytest bench/bench_models.py --benchmark-only -n 0
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import record
+from providers import DEVICE, SMOKE
+from torch_pallas import compile_cache, shape_buckets
+from torch_pallas.nn import replace_linear
+
+transformers = pytest.importorskip("transformers")
+
+if SMOKE:
+    CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1)
+    TRAIN, LENGTHS, BATCH, PROMPT, NEW_TOKENS = (1, 8), (5, 7), 1, 4, 2
+else:
+    CONFIG = dict(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=4)
+    TRAIN, LENGTHS, BATCH, PROMPT, NEW_TOKENS = (4, 256), tuple(range(100, 200, 10)), 4, 16, 32
+
+PROVIDERS = ("torch", "pallas[interpret]")  # the unconverted model, the converted one
+
+
+def build_models():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**CONFIG, max_position_embeddings=512,
+                                      attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).to(DEVICE)
+    return {"torch": model, "pallas[interpret]": replace_linear(copy.deepcopy(model))}
+
+
+MODELS = build_models() if DEVICE.type == "cpu" else {}
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the converted model's CPU figures")
+
+
+class Provider:  # what conftest.record reads
+    def __init__(self, name):
+        self.name = name
+        self.backend = None if name == "torch" else "interpret"
+
+
+def train_step(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    return loss.detach()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_training_step(benchmark, provider):
+    model = MODELS[provider]
+    ids = torch.randint(0, CONFIG["vocab_size"], TRAIN, device=DEVICE)
+    benchmark.group = f"llama train step {TRAIN[0]}x{TRAIN[1]}"
+    loss = benchmark(train_step, model, ids)
+    expected = train_step(MODELS["torch"], ids)
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
+    record(benchmark, Provider(provider), op="llama_train_step", dtype=torch.float32,
+           shape=TRAIN, work=TRAIN[0] * TRAIN[1], unit="tokens/s")
+
+
+def first_pass_of_lengths(model):
+    losses = []
+    for length in LENGTHS:
+        ids = torch.randint(0, CONFIG["vocab_size"], (BATCH, length),
+                            generator=torch.Generator().manual_seed(length))
+        losses.append(train_step(model, ids.to(DEVICE)))
+    return torch.stack(losses)
+
+
+def cold_caches():
+    """As a fresh process would start: no kernel built, no size seen."""
+    compile_cache.clear()
+    shape_buckets.reset()
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_changing_lengths_first_pass(benchmark, provider):
+    model = MODELS[provider]
+    benchmark.group = f"llama changing lengths {LENGTHS[0]}..{LENGTHS[-1]} x{BATCH}"
+    losses = benchmark.pedantic(first_pass_of_lengths, args=(model,), setup=cold_caches,
+                                rounds=1 if SMOKE else 3, iterations=1)
+    torch.testing.assert_close(losses, first_pass_of_lengths(MODELS["torch"]),
+                               rtol=1e-4, atol=1e-4)
+    record(benchmark, Provider(provider), op="llama_changing_lengths", dtype=torch.float32,
+           shape=(BATCH, len(LENGTHS)), work=BATCH * sum(LENGTHS), unit="tokens/s")
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_generate_with_kv_cache(benchmark, provider):
+    model = MODELS[provider]
+    prompt = torch.randint(0, CONFIG["vocab_size"], (1, PROMPT), device=DEVICE,
+                           generator=torch.Generator().manual_seed(1))
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                  do_sample=False, use_cache=True, pad_token_id=0)
+
+    benchmark.group = f"llama generate {NEW_TOKENS} tokens"
+    tokens = benchmark(generate)
+    assert tokens.shape == (1, PROMPT + NEW_TOKENS)
+    record(benchmark, Provider(provider), op="llama_generate", dtype=torch.float32,
+           shape=(1, NEW_TOKENS), work=NEW_TOKENS, unit="tokens/s")

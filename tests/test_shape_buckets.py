@@ -1,0 +1,80 @@
+"""Bounded kernel builds under changing shapes (torch_pallas.shape_buckets):
+the bucket sizes, a varying size building a bounded number of kernels, and
+results as accurate as the unpadded kernels' (equal up to the GEMM's own
+rounding, which depends on its blocking), at the buckets' edges, forward
+and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_pallas
+from torch_pallas import compile_cache, shape_buckets
+
+
+@pytest.fixture
+def buckets():
+    shape_buckets.reset()
+    yield shape_buckets
+    shape_buckets.reset()
+    shape_buckets.enabled = True
+
+
+def test_bucket_sizes_two_per_octave():
+    assert [shape_buckets.bucket(n) for n in (1, 8, 9, 12, 13, 16, 17, 25, 100, 129, 193, 700)] \
+        == [1, 8, 12, 12, 16, 16, 24, 32, 128, 192, 256, 768]
+    for n in range(1, 5000):
+        b = shape_buckets.bucket(n)
+        assert n <= b <= max(n, 1.5 * n)
+
+
+def test_one_size_is_never_padded_a_second_one_starts_buckets(buckets):
+    family = ("test", 1)
+    assert [buckets.size(family, n) for n in (100, 100, 100)] == [100, 100, 100]
+    assert [buckets.size(family, n) for n in (110, 100, 130)] == [128, 128, 192]
+    buckets.enabled = False
+    assert buckets.size(("test", 2), 37) == buckets.size(("test", 2), 41) - 4 == 37
+
+
+def _linear_step(x, w, grad, matmul=torch_pallas.matmul):
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = matmul(x, w.t())
+    gx, gw = torch.autograd.grad(out, (x, w), grad)
+    return out.detach(), gx, gw
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varying_rows_build_bounded_kernels_with_the_same_results(buckets, dtype):
+    """A linear layer's forward (M varies), input gradient (M varies) and
+    weight gradient (K varies) at six token counts, at and around the
+    buckets' edges: kernels for a few buckets, results equal to the
+    unbucketed kernels' up to a GEMM's rounding, and as close to float64."""
+    w = torch.randn(48, 40).to(dtype)
+    sizes = [33, 47, 48, 49, 95, 96]
+    cases = [(torch.randn(t, 40).to(dtype), torch.randn(t, 48).to(dtype)) for t in sizes]
+    before = compile_cache.compiled.builds
+    bucketed = [_linear_step(x, w, g) for x, g in cases]
+    built = compile_cache.compiled.builds - before
+    # 33 exact, then buckets 48, 64, 96 (3 kernels each: forward, dX, dW).
+    assert built <= 3 * 4
+    buckets.enabled = False
+    ulp = torch.finfo(dtype).eps
+    for (x, g), got in zip(cases, bucketed):
+        unpadded = _linear_step(x, w, g)
+        exact = _linear_step(x.double(), w.double(), g.double(), torch.matmul)
+        for a, b, e in zip(got, unpadded, exact):
+            assert a.shape == b.shape == e.shape and a.dtype == dtype
+            scale = e.abs().max().item()
+            # Each within a few roundings of the float64 result, as the unpadded one is.
+            assert (a.double() - e).abs().max().item() <= 16 * ulp * scale
+            assert (a.double() - b.double()).abs().max().item() <= 16 * ulp * scale
+
+
+def test_batched_and_transposed_operands_padded_exactly(buckets):
+    b = torch.randn(3, 20, 16)
+    for rows in (5, 11, 13, 29):
+        a = torch.randn(3, 20, rows).mT  # a transposed view: read in place, padded along M
+        torch.testing.assert_close(torch_pallas.matmul(a, b), torch.matmul(a, b),
+                                   rtol=1e-5, atol=1e-5)
+        assert torch_pallas.matmul(a, b).shape == (3, rows, 16)

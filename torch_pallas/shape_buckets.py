@@ -1,0 +1,71 @@
+"""A bounded number of kernel builds under changing shapes.
+
+A kernel is compiled per input shape. A model whose token count changes from
+call to call (dynamic padding, `generate` without a KV cache, prompts of
+varying length) would build a kernel for every new length, for as long as
+the process lives. An op whose kernel can take zero padding along a
+dimension (matmul: its rows and its contraction; the padded rows are sliced
+off the result, padded contraction terms are zeros) asks `size` which size
+to build for:
+
+- the size itself while its family (the op's call with that one dimension
+  left out) has seen one size along it: a workload with fixed shapes never
+  pads;
+- from the second distinct size on, the size rounded up to a bucket, two
+  per octave (..., 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, ...): at most
+  half again as much work, and at most two kernels per doubling of the size.
+
+Results keep their accuracy: padding adds zero terms to sums and rows that
+are sliced off (tests/test_shape_buckets.py checks the buckets' edges
+against float64 and the unpadded kernels). They are not always equal bit
+for bit to an unpadded kernel's: XLA's CPU GEMM orders its sums by its
+blocking, which follows the sizes (float32 rows differ in the last bits),
+so a call's rounding may depend on whether its family had changed size
+before. Switch buckets off for results that never depend on that. Sizes up
+to `EXACT_UP_TO` are never padded.
+
+Off with `TORCH_PALLAS_SHAPE_BUCKETS=0` in the environment, or
+`torch_pallas.shape_buckets.enabled = False`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable
+
+ENV_VAR = "TORCH_PALLAS_SHAPE_BUCKETS"
+EXACT_UP_TO = 8
+MAX_FAMILIES = 4096  # sizes remembered; past it the record starts afresh
+
+enabled: bool = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+_seen: dict[Hashable, int | None] = {}  # family -> its one size so far, None once it has had two
+
+
+def bucket(n: int) -> int:
+    """The smallest of 2**k and 3 * 2**(k-1) not below n (n itself up to
+    EXACT_UP_TO)."""
+    if n <= EXACT_UP_TO:
+        return n
+    power = 1 << (n - 1).bit_length()  # the power of two >= n
+    three_quarters = power // 4 * 3
+    return three_quarters if n <= three_quarters else power
+
+
+def size(family: Hashable, n: int) -> int:
+    """The size to build the kernel for when `family` asks for `n`."""
+    if not enabled:
+        return n
+    first = _seen.get(family, n)
+    if first is None or first != n:
+        if len(_seen) >= MAX_FAMILIES:
+            _seen.clear()
+        _seen[family] = None  # changing: bucketed from now on
+        return bucket(n)
+    _seen[family] = n
+    return n
+
+
+def reset() -> None:
+    """Forgets every family's sizes (tests; a new workload)."""
+    _seen.clear()

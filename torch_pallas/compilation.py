@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torch_pallas import backends, jax_env
+from torch_pallas import backends, disk_cache, jax_env
 from torch_pallas.backends import Backend
 from torch_pallas.kernels.spec import Avals
 
@@ -29,18 +29,37 @@ SYNCHRONOUS_MAX_BYTES = 16 * 2**20  # operands and results
 
 
 def build(entry: Callable, avals: Avals, options: Mapping[str, Any], backend: Backend,
-          device: torch.device):
-    """`entry` (JAX arrays in and out) compiled for `avals` on `device`."""
+          device: torch.device, identity: tuple | None = None):
+    """`entry` (JAX arrays in and out) compiled for `avals` on `device`.
+    `identity`: what the kernel follows from, as stable values, for a kernel
+    that may be kept on disk for the next process (torch_pallas/disk_cache.py),
+    and read back from there if an earlier process built it."""
+    synchronous = None
     if backend.compiles_for_calling_thread(device):
         synchronous = jax_env.synchronous_cpu_device()
+    clients = ([("synchronous", synchronous.client)] if synchronous is not None else []) + [
+        ("jax", backends.jax_device(device).client)]
+    if identity is not None:
+        for kind, client in clients:
+            found = disk_cache.load(disk_cache.digest((identity, kind)), client)
+            if found is not None:
+                return found
+    compiled, kind = _build(entry, avals, options, device, synchronous)
+    if identity is not None:
+        disk_cache.store(disk_cache.digest((identity, kind)), compiled)
+    return compiled
+
+
+def _build(entry, avals, options, device, synchronous):
+    """(compiled, which client runs it: "synchronous" or "jax")."""
+    if synchronous is not None:
         try:
-            if synchronous is not None:
-                lowered = lower(entry, avals, synchronous)
-                if runs_synchronously(lowered):
-                    return compile_lowered(lowered, options)
+            lowered = lower(entry, avals, synchronous)
+            if runs_synchronously(lowered):
+                return compile_lowered(lowered, options), "synchronous"
         except Exception:  # a JAX that cannot build for a second client
             pass
-    return compile_lowered(lower(entry, avals, backends.jax_device(device)), options)
+    return compile_lowered(lower(entry, avals, backends.jax_device(device)), options), "jax"
 
 
 def lower(entry: Callable, avals: Avals, jax_device):

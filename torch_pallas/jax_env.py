@@ -80,7 +80,7 @@ def x64_scope(enabled: bool = True):
 
 def x64_enabled() -> bool:
     """Whether JAX's 64-bit mode is on here (in this thread's context)."""
-    return bool(jax().config.read("jax_enable_x64"))
+    return bool(jax().config.jax_enable_x64)
 
 
 def forced_interpret(params):

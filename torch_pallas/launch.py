@@ -142,7 +142,8 @@ def compiled_kernel(
             # Windowed pallas_calls run as Mosaic GPU runs them on a GPU.
             entry = mosaic_gpu_pallas_call.simulated(entry)
         try:
-            kernel = compilation.build(entry, avals, options, backend, device)
+            kernel = compilation.build(entry, avals, options, backend, device,
+                                       identity=_persistent_identity(key, entry, options))
         except Exception as e:
             building = (f"{name}: building its {backend.name!r} kernel for inputs "
                         f"{list(avals)} and parameters {dict(params)}")
@@ -163,6 +164,20 @@ def compiled_kernel(
     if backends.choice_is_stable(backend, device):
         compile_cache.compiled.remember_signature(signature, key, backend)
     return backend, kernel, key
+
+
+def _persistent_identity(key: tuple, entry, options) -> tuple | None:
+    """What a shipped op's kernel on the `interpret` backend follows from,
+    as values whose repr is the same in every process (the disk cache's key);
+    None for kernels that are not kept on disk: users' (their source is not
+    the package's), the simulators' (they call back into Python), GPUs'."""
+    op, backend, device, avals, static, _ = key[:6]
+    if len(key) > 6 or backend != "interpret" or device.type != "cpu":
+        return None
+    bound = sorted((k, repr(v)) for k, v in entry.keywords.items())
+    return (op, backend, str(device), avals, repr(static), bound,
+            sorted((k, repr(v)) for k, v in options.items()), entry.func.__module__,
+            entry.func.__qualname__)
 
 
 def run(

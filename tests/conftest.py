@@ -13,6 +13,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Inductor's on-disk caches outlive a run and key compiled graphs by the
+# graph, not by a custom op's fake function: a graph compiled by an older
+# checkout would be reused with the old fake's sizes and strides. Each run
+# (each xdist worker) compiles into a fresh directory; the kernels' own disk
+# cache (torch_pallas/disk_cache.py) keys by the package's source and needs no such care.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchinductor-tests-")
+
 import pytest
 
 import torch_pallas

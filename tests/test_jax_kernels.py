@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_within
-from torch.testing._internal.optests import OpCheckError
 
 import torch_pallas
 
@@ -221,10 +220,6 @@ def test_gmm_ragged_groups_and_dimensions():
                            compiled=True)
 
 
-@pytest.mark.xfail(strict=True, raises=OpCheckError,
-                   reason="custom_op bug: an op whose JAX vjp keeps no residuals but its inputs "
-                   "(gmm's) hashes symbolic shapes in aot_dispatch_dynamic: 'unhashable type: "
-                   "non-nested SymInt' (custom_ops.py _key, from JaxGradient.forward)")
 def test_gmm_opcheck():
     # test_gmm_ragged_groups_and_dimensions's kernel
     run_opcheck(torch.ops.jax_kernels.gmm.default,
@@ -442,18 +437,12 @@ def block(x, ln_w, ln_b, wqkv, experts, sizes, *, kernels):
     return gmm((a + f).reshape(tokens, width), experts, sizes)
 
 
-def contiguous(*tensors):
-    """Compiled, a JAX-differentiated op given a non-contiguous input fails
-    in its backward (test_a_non_contiguous_input_under_torch_compile)."""
-    return [t.contiguous() for t in tensors]
-
-
 KERNELS = (
     lambda x, w, b: jk.layer_norm(x, w, b),
-    lambda q, k, v: jk.mha(*contiguous(q, k, v), None, 0.25, True, MHA_BLOCKS),
-    lambda q, k, v: jk.flash_attention(*contiguous(q, k, v), causal=True, sm_scale=0.25,
+    lambda q, k, v: jk.mha(q, k, v, None, 0.25, True, MHA_BLOCKS),
+    lambda q, k, v: jk.flash_attention(q, k, v, causal=True, sm_scale=0.25,
                                        block_sizes=FLASH_BLOCKS),
-    lambda lhs, rhs, sizes: jk.gmm(*contiguous(lhs, rhs), sizes, torch.float32, (16, 32, 24)),
+    lambda lhs, rhs, sizes: jk.gmm(lhs, rhs, sizes, torch.float32, (16, 32, 24)),
 )
 REFERENCES = (
     jk.layer_norm_reference,
@@ -485,10 +474,6 @@ def test_trained_kernels_in_one_block_under_torch_compile_fullgraph():
         close(g, e, F32, f"gradient of parameter {i}")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="custom_op bug: the backward op's fake gives each gradient its input's "
-                   "strides (empty_like), the backward returns contiguous arrays; Inductor's "
-                   "stride assertion fails")
 def test_a_non_contiguous_input_under_torch_compile():
     x = torch.randn(100, 37).t().requires_grad_()  # (37, 100), as test_layer_norm's
     w, b = randn(100), randn(100)
@@ -511,26 +496,12 @@ GPU_KERNEL_CALLS = {
 }
 # JAX's GPU kernels here are Triton-style pallas_calls (plgpu Triton
 # CompilerParams, masked plgpu.load), under jax.vmap for layer norm and
-# paged attention. What each simulator does with them now:
-UNSERVED = {
-    # The TPU simulator asserts its own CompilerParams: a bare AssertionError.
-    ("tpu_interpret", "layer_norm"): "bare AssertionError",
-    ("tpu_interpret", "mha"): "bare AssertionError",
-    ("tpu_interpret", "paged_attention_gpu"): "bare AssertionError",
-    # JAX's pallas_call batching rule refuses the kernel_arg_transforms JAX
-    # itself adds under GPU interpret mode: a TypeError from inside JAX.
-    ("mosaic_gpu_interpret", "layer_norm"): "TypeError from JAX's vmap rule",
-    ("mosaic_gpu_interpret", "paged_attention_gpu"): "TypeError from JAX's vmap rule",
-}
+# paged attention: neither simulator runs them, and each says why.
 
 
 @pytest.mark.parametrize("backend", ["tpu_interpret", "mosaic_gpu_interpret"])
 @pytest.mark.parametrize("kernel", list(GPU_KERNEL_CALLS))
-def test_a_simulator_names_the_limit_a_gpu_kernel_hits(backend, kernel, request):
-    reason = UNSERVED.get((backend, kernel))
-    if reason:
-        request.applymarker(pytest.mark.xfail(strict=True, raises=(AssertionError, TypeError),
-                                              reason=f"raises a {reason}, not BackendLimitError"))
+def test_a_simulator_names_the_limit_a_gpu_kernel_hits(backend, kernel):
     with torch_pallas.backend(backend), pytest.raises(torch_pallas.BackendLimitError) as error:
         GPU_KERNEL_CALLS[kernel]()
     assert f"jax_kernels::{kernel}" in str(error.value) and backend in str(error.value)

@@ -339,7 +339,9 @@ def _define_differentiable(name, sig, fn, *, triton=None, flops=None):
 
     def backward_fake(*args, outputs, residuals, cotangents, wanted, **kwargs):
         call = _call(name, sig, args, kwargs)
-        return [torch.empty_like(t) for t, w in zip(_differentiable(call.inputs), wanted) if w]
+        # Contiguous, as the kernel's outputs are (empty_like would keep an input's strides).
+        return [torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                for t, w in zip(_differentiable(call.inputs), wanted) if w]
 
     extra = [f"bool {RESIDUALS}=False"]
     forward_packet = registration.define(
@@ -411,7 +413,7 @@ def _jax_gradient(name, sig, forward_packet, backward_packet, failures):
             outs, residuals = result[:outputs], result[outputs:]
             ctx.arguments = arguments  # without its tensors: those are saved
             ctx.counts = (len(tensors), len(outs))
-            ctx.failed = not residuals and failures.get(_key(sig, args, kwargs), False)
+            ctx.failed = bool(failures) and not residuals and _failure(failures, sig, args, kwargs)
             ctx.save_for_backward(*tensors, *outs, *residuals)
             ctx.mark_non_differentiable(*[o for o in outs if not o.dtype.is_floating_point])
             return tuple(outs)
@@ -450,6 +452,14 @@ def _jax_gradient(name, sig, forward_packet, backward_packet, failures):
         return JaxGradient.apply(sig.with_tensors(arguments, None), *tensors)
 
     return apply
+
+
+def _failure(failures, sig, args, kwargs):
+    """Why JAX could not linearize this call, if it could not (False)."""
+    try:
+        return failures.get(_key(sig, args, kwargs), False)
+    except TypeError:  # symbolic sizes (a traced call): the backward op reports it
+        return False
 
 
 def _key(sig, args, kwargs):

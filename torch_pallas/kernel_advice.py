@@ -44,6 +44,7 @@ from torch_pallas.errors import BackendLimitError, FineGridWarning, add_note
 FINE_GRID_STEPS = 64
 
 _GPU_SIMULATOR_FILES = "pallas/mosaic_gpu/interpret/"
+_TPU_SIMULATOR_FILES = "pallas/mosaic/interpret/"
 _CPU_ERROR = "Only interpret mode is supported on CPU backend"
 _warned_ops: set[str] = set()
 
@@ -96,15 +97,31 @@ def _limit_error(op: str, backend: str, limit: str, what_to_do: str,
 
 
 def _jax_simulator_limit(error: BaseException) -> tuple[str, str] | None:
-    """(limit, what to do) for an exception JAX's Mosaic GPU simulator
-    raised, found by where it was raised (its innermost frame)."""
+    """(limit, what to do) for an exception JAX's Mosaic GPU or TPU
+    simulator raised, found by where it was raised (its innermost frame)."""
     frames = traceback.extract_tb(error.__traceback__)
-    if not frames or _GPU_SIMULATOR_FILES not in frames[-1].filename.replace("\\", "/"):
+    if not frames:
+        return None
+    where = frames[-1].filename.replace("\\", "/")
+    version = jax_env.jax().__version__
+    line = (frames[-1].line or "").strip()
+    if isinstance(error, TypeError) and "kernel_arg_transforms" in str(error):
+        return (f"JAX {version}'s Mosaic GPU interpret mode cannot batch a pl.pallas_call "
+                "under jax.vmap (its batching rule does not take the simulator's "
+                "kernel_arg_transforms: a JAX bug)",
+                "run it on backend 'interpret', or add the batch as a grid dimension instead "
+                "of vmapping the kernel")
+    if _TPU_SIMULATOR_FILES in where and isinstance(error, AssertionError) and (
+            "CompilerParams" in line):
+        return (f"JAX {version}'s TPU simulator runs only kernels with TPU compiler "
+                "parameters (pltpu.CompilerParams), and this pallas_call carries another "
+                "backend's (a Triton-style or Mosaic GPU kernel)",
+                "run it on backend 'interpret' (JAX's generic interpreter), or on the "
+                "simulator of the kernel's own family")
+    if _GPU_SIMULATOR_FILES not in where:
         return None
     from torch_pallas.mosaic_gpu_pallas_call import WHAT_RUNS
 
-    version = jax_env.jax().__version__
-    line = (frames[-1].line or "").strip()
     message = str(error)
     if isinstance(error, AssertionError) and "has_trivial_window" in line:
         return (f"JAX {version}'s Mosaic GPU simulator runs a pl.pallas_call only with "
@@ -197,4 +214,6 @@ def check_grid(op: str, backend: str, fn: Callable, avals) -> None:
         "arrays: this kernel runs far slower than with larger blocks. What to do: on this "
         f"backend use blocks that cover the arrays in a few steps (under {FINE_GRID_STEPS}; "
         "whole-array blocks are fastest), e.g. choose block sizes by backend: the "
-        "function's `interpret` argument is True on 'interpret'."), stacklevel=2)
+        "function's `interpret` argument is True on 'interpret'. A library's kernel whose "
+        "blocks are not yours to choose: silence this with warnings.filterwarnings("
+        "'ignore', category=torch_pallas.FineGridWarning)."), stacklevel=2)

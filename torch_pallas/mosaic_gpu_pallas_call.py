@@ -132,8 +132,10 @@ def _check(eqn):
                 "return a new output instead of aliasing an input")
     cp = p.get("compiler_params")
     if cp is not None and not isinstance(cp, plgpu.CompilerParams):
-        _refuse(f"a pl.pallas_call with {type(cp).__name__} (another backend's compiler "
-                "parameters)", "pass plgpu.CompilerParams, or none")
+        _refuse(f"a pl.pallas_call with {type(cp).__name__}, another backend's compiler "
+                "parameters (a Triton-style kernel, say, which JAX lowers with Triton on a GPU)",
+                "run it on backend 'interpret' (JAX's generic interpreter runs such kernels), "
+                "or give it plgpu.CompilerParams if it is written for Mosaic GPU")
     for bm in gm.block_mappings:
         if any(isinstance(b, (pl.Element, pl.BoundedSlice)) for b in bm.block_shape):
             _refuse(f"a BlockSpec of {bm.origin} with pl.Element or pl.BoundedSlice "

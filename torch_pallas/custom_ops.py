@@ -361,6 +361,10 @@ def _define_differentiable(name, sig, fn, *, triton=None, flops=None):
 
     def implementation(*args, **kwargs):
         tensors = [t for t in sig.split(args, kwargs, tensors_only=True) if t is not None]
+        if registration.any_tangent(tensors):
+            raise RuntimeError(f"{name}: forward-mode AD (a tangent on an input) is not "
+                               "implemented for ops differentiated by JAX; use reverse mode "
+                               "(backward, torch.autograd.grad)")
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             outs = gradient(args, kwargs)
         else:

@@ -153,7 +153,7 @@ def _autograd_kernel(op, device_kernel: Callable, backward: Callable | None,
 
     def kernel(keyset, *args, **kwargs):
         if ((torch.is_grad_enabled() and dispatch.any_requires_grad(*args))
-                or (forward_ad_level() >= 0 and _any_tangent(args))):
+                or (forward_ad_level() >= 0 and any_tangent(args))):
             if dispatch.functorch_active():
                 # torch's own message names an autograd.Function the user never wrote.
                 raise RuntimeError(
@@ -173,7 +173,7 @@ def _autograd_kernel(op, device_kernel: Callable, backward: Callable | None,
 
 def _refusing_tangents(name: str, kernel: Callable) -> Callable:
     def refusing(*args, **kwargs):
-        if _any_tangent(args):
+        if any_tangent(args):
             raise RuntimeError(
                 f"{name}: forward-mode AD needs torch's dispatcher internals, which this "
                 f"torch lacks or {torch_compat.ENV_VAR} turned off (torch_compat 'autograd_kernel')"
@@ -183,7 +183,8 @@ def _refusing_tangents(name: str, kernel: Callable) -> Callable:
     return refusing
 
 
-def _any_tangent(args) -> bool:
+def any_tangent(args) -> bool:
+    """Whether any of `args` carries a forward-mode AD tangent."""
     return any(isinstance(a, torch.Tensor) and forward_ad.unpack_dual(a).tangent is not None
                for a in args)
 

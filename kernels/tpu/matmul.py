@@ -168,8 +168,11 @@ ONEDNN_MIN_ROWS = 1024
 
 def compiler_options(backend: str, avals, params) -> dict:
     """XLA options for this kernel's compilation: on `interpret`, the CPU
-    GEMM library for this dtype and shape."""
-    if backend != "interpret":
+    GEMM library for this dtype and shape. A transposed A (a weight's
+    gradient, X^T @ dY) keeps XLA's default: with oneDNN the (1024x1376)^T @
+    (1024x512) float32 product ran at 0.92x torch's speed, without it 0.99x
+    (2-core AMD EPYC, medians of 40 interleaved rounds, 2026-12-01)."""
+    if backend != "interpret" or params["transpose_a"]:
         return {}
     (a_shape, dtype), (b_shape, _) = avals
     _, m, _, _ = matmul_dims(a_shape, b_shape, params["transpose_a"], params["transpose_b"])

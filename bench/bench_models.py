@@ -7,7 +7,9 @@ cache. Throughput in tokens/s and the ratio to torch.
 CPU: vocabulary 4096, hidden 512, 2 layers, 8 heads (4 key/value heads),
 intermediate 1376; training batch 4 x 256 tokens; the changing lengths
 are 100, 110, ..., 190 tokens at batch 4, each compile cache cleared
-before a round (a fresh process's first pass, in-process); `generate` 32
+before a round: a fresh process's first pass, in-process, with an empty
+disk cache (the first process) or one an earlier pass filled (the next
+process); `generate` 32
 tokens greedily from a 16-token prompt at batch 1.
 
     OMP_WAIT_POLICY=PASSIVE pytest bench/bench_models.py --benchmark-only -n 0
@@ -16,13 +18,15 @@ tokens greedily from a 16-token prompt at batch 1.
 from __future__ import annotations
 
 import copy
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import record
 from providers import DEVICE, SMOKE
-from torch_pallas import compile_cache, shape_buckets
+from torch_pallas import compile_cache, disk_cache, shape_buckets
 from torch_pallas.nn import replace_linear
 
 transformers = pytest.importorskip("transformers")
@@ -86,22 +90,41 @@ def first_pass_of_lengths(model):
     return torch.stack(losses)
 
 
-def cold_caches():
-    """As a fresh process would start: no kernel built, no size seen."""
-    compile_cache.clear()
-    shape_buckets.reset()
+def fresh_process(disk: Path):
+    """What a process starts with: no kernel built, no size seen, and the
+    kernels on disk in `disk` (an empty directory: the first process ever)."""
+    def setup():
+        os.environ[disk_cache.ENV_VAR] = str(disk)
+        compile_cache.clear()
+        shape_buckets.reset()
+
+    return setup
 
 
+@pytest.mark.parametrize("process", ["first", "next"])
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_changing_lengths_first_pass(benchmark, provider):
+def test_changing_lengths_first_pass(benchmark, provider, process, tmp_path, monkeypatch):
+    """The first pass over the lengths in a process: the first process on
+    the machine (every kernel built), or a next one (the first one's kernels
+    on disk)."""
+    monkeypatch.setenv(disk_cache.ENV_VAR, str(tmp_path))
     model = MODELS[provider]
-    benchmark.group = f"llama changing lengths {LENGTHS[0]}..{LENGTHS[-1]} x{BATCH}"
-    losses = benchmark.pedantic(first_pass_of_lengths, args=(model,), setup=cold_caches,
-                                rounds=1 if SMOKE else 3, iterations=1)
+    rounds = 1 if SMOKE else 3
+    if process == "first":
+        disks = iter([tmp_path / f"empty{i}" for i in range(rounds + 1)])
+        setup = lambda: fresh_process(next(disks))()  # noqa: E731
+    else:
+        fresh_process(tmp_path / "warm")()
+        first_pass_of_lengths(model)  # an earlier process fills the disk cache
+        setup = fresh_process(tmp_path / "warm")
+    benchmark.group = f"llama {process} process, lengths {LENGTHS[0]}..{LENGTHS[-1]} x{BATCH}"
+    losses = benchmark.pedantic(first_pass_of_lengths, args=(model,), setup=setup,
+                                rounds=rounds, iterations=1)
     torch.testing.assert_close(losses, first_pass_of_lengths(MODELS["torch"]),
                                rtol=1e-4, atol=1e-4)
-    record(benchmark, Provider(provider), op="llama_changing_lengths", dtype=torch.float32,
-           shape=(BATCH, len(LENGTHS)), work=BATCH * sum(LENGTHS), unit="tokens/s")
+    record(benchmark, Provider(provider), op=f"llama_lengths_{process}_process",
+           dtype=torch.float32, shape=(BATCH, len(LENGTHS)), work=BATCH * sum(LENGTHS),
+           unit="tokens/s")
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

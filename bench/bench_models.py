@@ -101,7 +101,9 @@ def fresh_process(disk: Path):
     return setup
 
 
-@pytest.mark.parametrize("process", ["first", "next"])
+# The smoke run (tests/test_bench.py) times the first process only: the
+# next one runs the same code with the kernels loaded from disk.
+@pytest.mark.parametrize("process", ["first"] if SMOKE else ["first", "next"])
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_changing_lengths_first_pass(benchmark, provider, process, tmp_path, monkeypatch):
     """The first pass over the lengths in a process: the first process on

@@ -12,15 +12,16 @@ from torch_pallas import backends
 CPU_BACKENDS = tuple(b.name for b in backends.available("cpu"))
 
 
-def simulators_exhaustive(names=CPU_BACKENDS) -> list:
-    """The CPU backends as pytest params, the simulators' marked
-    `exhaustive`: for the long sweeps (torch's sample inputs, large ragged
-    shapes) that the default run makes on the other backends and
-    `pytest -m exhaustive` on the simulators too."""
+def simulators_exhaustive(names=CPU_BACKENDS, also=()) -> list:
+    """The CPU backends as pytest params, the simulators' (and those named
+    in `also`) marked `exhaustive`: for the long sweeps (torch's sample
+    inputs, large ragged shapes) that the default run makes on the other
+    backends and `pytest -m exhaustive` on the simulators too."""
     import pytest
 
-    return [pytest.param(name, marks=[pytest.mark.exhaustive] if backends.get(name).simulated
-                         else [], id=name) for name in names]
+    return [pytest.param(name, marks=[pytest.mark.exhaustive]
+                         if backends.get(name).simulated or name in also else [], id=name)
+            for name in names]
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # a test dependency (the [test] extra)
 
 from conftest import record
 from providers import DEVICE, SMOKE
-from torch_pallas import compile_cache, disk_cache, shape_buckets
+from torch_pallas import backends, compile_cache, disk_cache, shape_buckets
 from torch_pallas.nn import replace_linear
 
-transformers = pytest.importorskip("transformers")
 
 if SMOKE:
     CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
@@ -40,7 +40,8 @@ else:
                   num_attention_heads=8, num_key_value_heads=4)
     TRAIN, LENGTHS, BATCH, PROMPT, NEW_TOKENS = (4, 256), tuple(range(100, 200, 10)), 4, 16, 32
 
-PROVIDERS = ("torch", "pallas[interpret]")  # the unconverted model, the converted one
+BACKEND = backends.default_for(DEVICE).name  # what the converted model's matmuls run on
+PROVIDERS = ("torch", f"pallas[{BACKEND}]")  # the unconverted model, the converted one
 
 
 def build_models():
@@ -48,17 +49,16 @@ def build_models():
     config = transformers.LlamaConfig(**CONFIG, max_position_embeddings=512,
                                       attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config).to(DEVICE)
-    return {"torch": model, "pallas[interpret]": replace_linear(copy.deepcopy(model))}
+    return {"torch": model, PROVIDERS[1]: replace_linear(copy.deepcopy(model))}
 
 
-MODELS = build_models() if DEVICE.type == "cpu" else {}
-pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the converted model's CPU figures")
+MODELS = build_models()
 
 
 class Provider:  # what conftest.record reads
     def __init__(self, name):
         self.name = name
-        self.backend = None if name == "torch" else "interpret"
+        self.backend = None if name == "torch" else BACKEND
 
 
 def train_step(model, ids):
@@ -132,8 +132,8 @@ def test_changing_lengths_first_pass(benchmark, provider, process, tmp_path, mon
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_generate_with_kv_cache(benchmark, provider):
     model = MODELS[provider]
-    prompt = torch.randint(0, CONFIG["vocab_size"], (1, PROMPT), device=DEVICE,
-                           generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(0, CONFIG["vocab_size"], (1, PROMPT),
+                           generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
     def generate():
         with torch.no_grad():

@@ -375,3 +375,38 @@ def test_empty_inputs_with_empty_outputs_run_no_kernel():
     assert torch.equal(torch.ops.usertest.count_elements(torch.randn(4, 0)), torch.tensor([0], dtype=torch.int32))
     x = torch.randn(5, 16)
     torch.testing.assert_close(torch.ops.usertest.doubled_or_empty(x), x * 2)
+
+
+def test_a_user_ops_triton_implementation_is_what_cuda_tracing_sees(tmp_path):
+    """`custom_op(..., triton=)`: AOTAutograd on fake CUDA tensors traces the
+    Triton implementation (the op differentiated by JAX included: its
+    forward op returns the implementation's output as a list)."""
+    from helpers import fake_cuda_trace
+
+    # triton.jit needs its kernel in a file.
+    (tmp_path / "twice_op.py").write_text('''import torch, torch_pallas
+import triton
+import triton.language as tl
+
+@triton.jit
+def twice_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(o_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+
+def twice_triton(x, *, wrap):
+    out = torch.empty_like(x)
+    wrap(twice_kernel)[(triton.cdiv(x.numel(), 128),)](x, out, x.numel(), BLOCK=128)
+    return out
+
+@torch_pallas.custom_op("tracetest::twice", triton=twice_triton)
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return (torch.ops.tracetest.twice(x) + 1,)
+''')
+    model = f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nfrom twice_op import Model\n"
+    lines = fake_cuda_trace(model, "inputs = (torch.randn(100, device='cuda'),)")
+    assert lines["KERNELS"].split() == ["twice_kernel"]
+    assert int(lines["WRAPPERS"]) == 1

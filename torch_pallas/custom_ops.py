@@ -347,7 +347,7 @@ def _define_differentiable(name, sig, fn, *, triton=None, flops=None):
     forward_packet = registration.define(
         forward_name, _named(forward, fn), fake=forward_fake,
         schema=sig.schema_arguments(extra_keyword=extra) + " -> Tensor[]",
-        triton_traced=_triton_traced(triton) and _listed(triton),
+        triton_traced=False if triton is None else _listed(_triton_traced(triton)),
         flops=_first_outputs(sig, flops),
     )
     backward_packet = registration.define(
@@ -380,6 +380,8 @@ def _define_differentiable(name, sig, fn, *, triton=None, flops=None):
 
 
 def _listed(triton):
+    """A Triton implementation as the forward op returns its outputs: a list
+    (no residuals: the backward of a Triton implementation is not JAX's)."""
     def traced(*args, jax_residuals=False, **kwargs):
         outs = triton(*args, **kwargs)
         return list(outs) if isinstance(outs, (tuple, list)) else [outs]

@@ -131,9 +131,3 @@ def backward_entry(entry: Callable, inputs: int, outputs: int) -> Callable:
         return tuple(g for g, w in zip(grads, wanted) if w)
 
     return backward
-
-
-def differentiable_positions(dtypes_) -> list[int]:
-    """Which of these (JAX dtype names) JAX differentiates: the floating ones."""
-    jnp = jax_env.jax().numpy
-    return [i for i, d in enumerate(dtypes_) if jnp.issubdtype(jnp.dtype(d), jnp.inexact)]

@@ -96,8 +96,9 @@ SHAPES = {  # make_case keywords
     "odd_dims_causal": dict(e=40, ev=24, causal=True),
     "mqa": dict(hq=4, hkv=1, e=128, ev=64),
     "mha_e256": dict(b=1, hq=2, hkv=2, l=20, s=33, e=256, ev=256),
-    # select_config's causal blocks: 50-row query blocks (x 2 heads), 100-key chunks.
-    "causal_chunks_shared_mask": dict(b=1, hq=2, hkv=1, l=150, s=300, causal=True,
+    # select_config's causal blocks: three 200-row query blocks (x 2 heads),
+    # three 367-key chunks (the last one padded).
+    "causal_chunks_shared_mask": dict(b=1, hq=2, hkv=1, l=600, s=1100, causal=True,
                                       mask="shared"),
 }
 

@@ -179,21 +179,38 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
     bb, bh, bq, ck = blocks
     grid = (batch // bb, kv_heads // bh, lp // bq)
 
+    # Products over (bb * bh) batches of (G * rows) x keys, two-dimensional
+    # when the block has one (batch, kv head): the shapes XLA CPU's GEMM
+    # library takes without copying kᵀ. The scale multiplies q, not the
+    # scores (a pass over (rows, E), not (rows, keys)).
+    flat, g = bb * bh, q_hbm.shape[2]
+
+    def product(a, b, contract):
+        if flat == 1:
+            return dot(a[0], b[0], (contract[0] - 1, contract[1] - 1))[None]
+        return dot(a, b, contract, batch_dims=1)
+
     def one_block(bi, hi, qi):
         rows = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh), slice(None), pl.ds(qi * bq, bq))
-        q = q_hbm[rows].astype(jnp.float32)
+        q = (q_hbm[rows].astype(jnp.float32) * scale).reshape(flat, g * bq, -1)
 
         def keys(c0, n):
             kv = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh), pl.ds(c0, n))
-            k, v = k_hbm[kv].astype(jnp.float32), v_hbm[kv].astype(jnp.float32)
-            s = dot(q, k, (4, 3), batch_dims=2) * scale  # (bb, bh, G, bq, n)
-            if mask_hbm is not None:
-                mb = pl.ds(bi * bb, bb) if mask_hbm.shape[0] > 1 else slice(None)
-                mh = pl.ds(hi * bh, bh) if mask_hbm.shape[1] > 1 else slice(None)
-                s = s + mask_hbm[mb, mh, :, pl.ds(qi * bq, bq), pl.ds(c0, n)].astype(jnp.float32)
-            seen = visible(qi * bq, c0, s.shape, causal=causal, kv_len=kv_len, padded_kv_len=sp)
-            if seen is not None:
-                s = jnp.where(seen, s, -jnp.inf)
+            k = k_hbm[kv].astype(jnp.float32).reshape(flat, n, -1)
+            v = v_hbm[kv].astype(jnp.float32).reshape(flat, n, -1)
+            s = product(q, k, (2, 2))  # (bb * bh, G * bq, n)
+            seen = visible(qi * bq, c0, (bb, bh, g, bq, n), causal=causal, kv_len=kv_len,
+                           padded_kv_len=sp)
+            if mask_hbm is not None or seen is not None:
+                s = s.reshape(bb, bh, g, bq, n)
+                if mask_hbm is not None:
+                    mb = pl.ds(bi * bb, bb) if mask_hbm.shape[0] > 1 else slice(None)
+                    mh = pl.ds(hi * bh, bh) if mask_hbm.shape[1] > 1 else slice(None)
+                    s = s + mask_hbm[mb, mh, :, pl.ds(qi * bq, bq), pl.ds(c0, n)].astype(
+                        jnp.float32)
+                if seen is not None:
+                    s = jnp.where(seen, s, -jnp.inf)
+                s = s.reshape(flat, g * bq, n)
             return s, v
 
         if ck >= sp:  # every key at once: a plain softmax
@@ -202,7 +219,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
             m = jnp.where(m == -jnp.inf, 0.0, m)
             p = jnp.exp(s - m)
             l = p.sum(axis=-1, keepdims=True)
-            acc = dot(p, v, (4, 2), batch_dims=2)
+            acc = product(p, v, (2, 1))
         else:  # key chunks, online softmax
             chunks = sp // ck
             if causal:  # the chunks holding a key some row of the block sees
@@ -216,16 +233,17 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
                 p = jnp.exp(s - m_safe)
                 alpha = jnp.exp(m_old - m_safe)
                 return (m_new, alpha * l_old + p.sum(axis=-1, keepdims=True),
-                        alpha * acc_old + dot(p, v, (4, 2), batch_dims=2))
+                        alpha * acc_old + product(p, v, (2, 1)))
 
-            stats = q.shape[:-1] + (1,)
+            stats = (flat, g * bq, 1)
             init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
-                    jnp.zeros(q.shape[:-1] + (v_hbm.shape[-1],), jnp.float32))
+                    jnp.zeros((flat, g * bq, v_hbm.shape[-1]), jnp.float32))
             m, l, acc = jax.lax.fori_loop(0, chunks, step, init)
             m = jnp.where(m == -jnp.inf, 0.0, m)
         empty = l == 0.0
-        o_hbm[rows] = jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, l)).astype(o_hbm.dtype)
-        lse_hbm[rows] = jnp.where(empty, jnp.inf, m + jnp.log(l))[..., 0]
+        o = jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, l))
+        o_hbm[rows] = o.reshape(bb, bh, g, bq, -1).astype(o_hbm.dtype)
+        lse_hbm[rows] = jnp.where(empty, jnp.inf, m + jnp.log(l)).reshape(bb, bh, g, bq)
 
     steps = grid[0] * grid[1] * grid[2]
     if steps == 1:

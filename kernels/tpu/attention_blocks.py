@@ -31,14 +31,15 @@ from torch_pallas.kernels.attention_shapes import AttentionDims
 from torch_pallas.kernels.shapes import cdiv, round_up
 
 # Batched body blocks (measured on the 2-core CPU; see batched_blocks):
-# up to WHOLE_KEYS keys, every key at once in blocks of about
-# BLOCK_SCORE_BYTES of float32 scores; longer (or causal) rows in chunks of
+# up to WHOLE_KEYS (CAUSAL_WHOLE_KEYS) keys, every key at once in blocks of
+# about BLOCK_SCORE_BYTES of float32 scores; longer rows in chunks of
 # KEY_CHUNK (CAUSAL_KEY_CHUNK) keys, CHUNKED_ROWS query rows per block.
-BLOCK_SCORE_BYTES = 1 * 2**20
+BLOCK_SCORE_BYTES = 2 * 2**20
 WHOLE_KEYS = 1024
-KEY_CHUNK = 256
-CAUSAL_KEY_CHUNK = 128
-CHUNKED_ROWS = 128
+CAUSAL_WHOLE_KEYS = 512
+KEY_CHUNK = 1024
+CAUSAL_KEY_CHUNK = 512
+CHUNKED_ROWS = 512
 # TPU vector tiles: sublanes (second-to-last axis; 16 covers packed 16-bit
 # rows) and lanes (last axis).
 SUBLANES = 16
@@ -106,20 +107,28 @@ def _even(n: int, most: int) -> int:
 
 
 def batched_blocks(dims: AttentionDims, *, causal: bool = False) -> BatchedBlocks:
-    """The batched body's blocks: small enough that a block's scores stay
-    in the CPU's caches, which is what decides its speed there (2 cores,
-    B=4, H=8, E=64, float32, against torch's SDPA: at L=S=512, 1 MiB blocks
-    with every key ran 2x faster than one 32 MiB block and a little faster
-    than chunked ones; at L=S=2048, 128 x 256 chunks ran 1.3x faster than
-    128 rows with every key; causal, 128 x 128 chunks, skipping those above
-    the diagonal, ran 1.5-2x faster than whole rows).
+    """The batched body's blocks: large enough that XLA CPU's GEMMs run
+    near their speed and the loop takes few steps, small enough that a
+    block's scores stay in the CPU's caches and memory stays flat for long
+    sequences. Measured on the 2-core AMD EPYC (1 MiB L2 per core, AVX2),
+    B=4, H=8, E=64, float32, forward against torch's SDPA in one run:
+
+    - L=S=512: 2 MiB blocks (2 heads x 512 rows, every key) 0.88x torch,
+      1 MiB blocks 0.83x, 4 MiB 0.86x; at L=S=1024, 512 rows with every
+      key 0.86x, 256 rows 0.71x; at L=S=2048 (B=2), 512 x 1024 chunks
+      0.85x, 128 x 256 ones 0.44x.
+    - causal: 512 x 512 chunks (the diagonal block masked, those above it
+      skipped) 0.87x at 512, 0.82x at 1024, 0.72x at 2048; 128 x 128 ones
+      0.72x, 0.63x and 0.47x. Small chunks lose to the online softmax's
+      per-chunk passes. (An earlier AVX-512 Xeon preferred 1 MiB blocks
+      and 128 x 128 causal chunks.)
 
     Rows count every query head of the block; a block holds all G query
     heads of its key/value heads. Short problems are packed: as many query
     rows, then key/value heads, then batch entries as the rows allow."""
     g, l, s = dims.group, dims.q_len, dims.kv_len
     least = g * min(l, 8)  # the fewest rows of a block: 8 query rows of each head
-    whole = s <= (CAUSAL_KEY_CHUNK if causal else WHOLE_KEYS)
+    whole = s <= (CAUSAL_WHOLE_KEYS if causal else WHOLE_KEYS)
     if whole and BLOCK_SCORE_BYTES // (4 * s) >= least:
         chunk, rows = s, BLOCK_SCORE_BYTES // (4 * s)
     else:

@@ -95,6 +95,10 @@ def as_kernel_operand(t: torch.Tensor, batch: tuple) -> tuple[torch.Tensor, bool
 
 
 def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    key = _plan_key(a, b)
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is not None:
+        return plan.run(a, b)
     shape = output_shape(a, b)
     a2 = a if a.dim() >= 2 else a.unsqueeze(0)
     b2 = b if b.dim() >= 2 else b.unsqueeze(-1)
@@ -114,35 +118,101 @@ def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     params = {"transpose_a": transpose_a, "transpose_b": transpose_b}
     if a.dtype == torch.float32:
         params["precision"] = float32_precision()
-    a3, b3, (m, n) = bucketed(a3, b3, transpose_a, transpose_b)
-    out = launch.run("matmul", a.device, (a3, b3), params)
+    sizes = bucket_sizes(a3, b3, transpose_a, transpose_b)
+    plan = _Plan.of(a, b, a3, b3, sizes, params, shape)
+    if key is not None and plan is not None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return _run(pad_operands(a3, b3, transpose_a, transpose_b, sizes), sizes, params, shape)
+
+
+def _run(operands, sizes, params, shape):
+    (m, n, _), _ = sizes
+    out = launch.run("matmul", operands[0].device, operands, params)
     if out.shape[1:] != (m, n):
         out = out[:, :m, :n].contiguous()  # a copy only where the rows do not end it
     return out.reshape(shape)
 
 
-def bucketed(a3, b3, transpose_a: bool, transpose_b: bool):
-    """(a3, b3, (M, N)): the operands zero-padded along M, N and K to the
-    sizes torch_pallas.shape_buckets chooses once a size changes from call
-    to call (a model whose token count varies builds a bounded number of
-    kernels), and the unpadded output size. On the CPU only: CUDA's
-    Triton kernels take their sizes at run time."""
+# --- eager CPU calls: a plan per layout -----------------------------------
+# What matmul_implementation works out before the kernel runs (the checks,
+# the folded batch, the transposes, the buckets) follows from the operands'
+# shapes, strides, dtypes and device alone, and a decode loop repeats a few
+# layouts thousands of times: on the 2-core CPU the working out took 137 of
+# the 356 us a (1 x 512) @ (512 x 1376) call spent in matmul_implementation.
+# A plan keeps it per layout: the operands' kernel views (as_strided), the
+# buckets, the parameters. Keyed by everything it follows from, the float32
+# precision setting and the buckets' state included; CPU tensors only (not
+# fake or other subclasses, whose sizes may be symbolic).
+
+MAX_PLANS = 1024
+_PLANS: dict = {}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plan_key(a, b):
+    if type(a) not in _PLAIN or type(b) not in _PLAIN or a.device.type != "cpu":
+        return None
+    precision = float32_precision() if a.dtype == torch.float32 else None
+    return (a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, b.device, precision,
+            shape_buckets.state())
+
+
+class _Plan:
+    __slots__ = ("views", "sizes", "params", "shape", "transposes")
+
+    @classmethod
+    def of(cls, a, b, a3, b3, sizes, params, shape):
+        """The plan of a call whose kernel operands a3 and b3 view a and b
+        (None where either is a copy)."""
+        views = []
+        for t, t3 in ((a, a3), (b, b3)):
+            if t3.untyped_storage().data_ptr() != t.untyped_storage().data_ptr():
+                return None
+            views.append((tuple(t3.shape), t3.stride(), t3.storage_offset() - t.storage_offset()))
+        plan = cls()
+        plan.views, plan.sizes, plan.params, plan.shape = tuple(views), sizes, params, shape
+        plan.transposes = (params["transpose_a"], params["transpose_b"])
+        return plan
+
+    def run(self, a, b):
+        (a_size, a_stride, a_offset), (b_size, b_stride, b_offset) = self.views
+        a3 = a.as_strided(a_size, a_stride, a.storage_offset() + a_offset)
+        b3 = b.as_strided(b_size, b_stride, b.storage_offset() + b_offset)
+        operands = pad_operands(a3, b3, *self.transposes, self.sizes)
+        return _run(operands, self.sizes, self.params, self.shape)
+
+
+def bucket_sizes(a3, b3, transpose_a: bool, transpose_b: bool):
+    """((M, N, K), (M', N', K')): the product's sizes and those its kernel
+    is built for, the sizes torch_pallas.shape_buckets chooses once a size
+    changes from call to call (a model whose token count varies builds a
+    bounded number of kernels). On the CPU only: CUDA's Triton kernels take
+    their sizes at run time."""
     m, k = (a3.shape[2], a3.shape[1]) if transpose_a else a3.shape[1:]
     n = b3.shape[1] if transpose_b else b3.shape[2]
     if not shape_buckets.enabled or a3.device.type != "cpu":
-        return a3, b3, (m, n)
+        return (m, n, k), (m, n, k)
     family = (a3.device, a3.dtype, a3.shape[0], b3.shape[0], transpose_a, transpose_b)
     mp = shape_buckets.size((*family, "m", n, k), m)
     np_ = shape_buckets.size((*family, "n", m, k), n)
     kp = shape_buckets.size((*family, "k", m, n), k)
+    return (m, n, k), (mp, np_, kp)
+
+
+def pad_operands(a3, b3, transpose_a: bool, transpose_b: bool, sizes):
+    """a3 and b3 zero-padded to the kernel's sizes (themselves where those
+    are theirs): the padded rows are sliced off the result, the padded
+    contraction terms are zeros."""
+    (m, n, k), (mp, np_, kp) = sizes
     if (mp, np_, kp) == (m, n, k):
-        return a3, b3, (m, n)
+        return a3, b3
     a_rows, a_cols = (kp, mp) if transpose_a else (mp, kp)
     b_rows, b_cols = (np_, kp) if transpose_b else (kp, np_)
     pad = torch.nn.functional.pad
-    a3 = pad(a3, (0, a_cols - a3.shape[2], 0, a_rows - a3.shape[1]))
-    b3 = pad(b3, (0, b_cols - b3.shape[2], 0, b_rows - b3.shape[1]))
-    return a3, b3, (m, n)
+    return (pad(a3, (0, a_cols - a3.shape[2], 0, a_rows - a3.shape[1])),
+            pad(b3, (0, b_cols - b3.shape[2], 0, b_rows - b3.shape[1])))
 
 
 def float32_precision() -> str:

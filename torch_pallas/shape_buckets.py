@@ -40,6 +40,9 @@ MAX_FAMILIES = 4096  # sizes remembered; past it the record starts afresh
 enabled: bool = os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
 
 _seen: dict[Hashable, int | None] = {}  # family -> its one size so far, None once it has had two
+# Advances whenever a size `size` gave may change (a family starts changing,
+# the record is cleared): what callers that remember its answers key them by.
+generation: int = 0
 
 
 def bucket(n: int) -> int:
@@ -56,10 +59,14 @@ def size(family: Hashable, n: int) -> int:
     """The size to build the kernel for when `family` asks for `n`."""
     if not enabled:
         return n
+    global generation
     first = _seen.get(family, n)
     if first is None or first != n:
         if len(_seen) >= MAX_FAMILIES:
             _seen.clear()
+            generation += 1
+        elif first is not None:  # the family's first size is bucketed from now on
+            generation += 1
         _seen[family] = None  # changing: bucketed from now on
         return bucket(n)
     _seen[family] = n
@@ -68,4 +75,12 @@ def size(family: Hashable, n: int) -> int:
 
 def reset() -> None:
     """Forgets every family's sizes (tests; a new workload)."""
+    global generation
     _seen.clear()
+    generation += 1
+
+
+def state() -> tuple[bool, int]:
+    """What every answer of `size` depends on besides its arguments and the
+    record: a key for remembering them."""
+    return enabled, generation

@@ -118,7 +118,7 @@ def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     params = {"transpose_a": transpose_a, "transpose_b": transpose_b}
     if a.dtype == torch.float32:
         params["precision"] = float32_precision()
-    sizes = bucket_sizes(a3, b3, transpose_a, transpose_b)
+    sizes = bucket_sizes(a3, b3, transpose_a, transpose_b, weights=(_is_weight(a), _is_weight(b)))
     plan = _Plan.of(a, b, a3, b3, sizes, params, shape)
     if key is not None and plan is not None:
         if len(_PLANS) >= MAX_PLANS:
@@ -143,7 +143,8 @@ def _run(operands, sizes, params, shape):
 # the 356 us a (1 x 512) @ (512 x 1376) call spent in matmul_implementation.
 # A plan keeps it per layout: the operands' kernel views (as_strided), the
 # buckets, the parameters. Keyed by everything it follows from, the float32
-# precision setting and the buckets' state included; CPU tensors only (not
+# precision setting, which operands are weights and the buckets' state
+# included; CPU tensors only (not
 # fake or other subclasses, whose sizes may be symbolic).
 
 MAX_PLANS = 1024
@@ -156,7 +157,7 @@ def _plan_key(a, b):
         return None
     precision = float32_precision() if a.dtype == torch.float32 else None
     return (a.shape, a.stride(), a.dtype, b.shape, b.stride(), b.dtype, b.device, precision,
-            shape_buckets.state())
+            _is_weight(a), _is_weight(b), shape_buckets.state())
 
 
 class _Plan:
@@ -184,21 +185,32 @@ class _Plan:
         return _run(operands, self.sizes, self.params, self.shape)
 
 
-def bucket_sizes(a3, b3, transpose_a: bool, transpose_b: bool):
+def bucket_sizes(a3, b3, transpose_a: bool, transpose_b: bool, weights=(False, False)):
     """((M, N, K), (M', N', K')): the product's sizes and those its kernel
     is built for, the sizes torch_pallas.shape_buckets chooses once a size
     changes from call to call (a model whose token count varies builds a
     bounded number of kernels). On the CPU only: CUDA's Triton kernels take
-    their sizes at run time."""
+    their sizes at run time.
+
+    The sizes of a weight (an nn.Parameter, or a view of one such as
+    linear's weight.t()) are its own: they change only from layer to layer,
+    never from call to call, so they call for no new kernel, and padding
+    them would copy the weight on every call. Only the other operand's
+    sizes, M or N, and K where neither operand is a weight, are bucketed."""
     m, k = (a3.shape[2], a3.shape[1]) if transpose_a else a3.shape[1:]
     n = b3.shape[1] if transpose_b else b3.shape[2]
     if not shape_buckets.enabled or a3.device.type != "cpu":
         return (m, n, k), (m, n, k)
+    a_weight, b_weight = weights
     family = (a3.device, a3.dtype, a3.shape[0], b3.shape[0], transpose_a, transpose_b)
-    mp = shape_buckets.size((*family, "m", n, k), m)
-    np_ = shape_buckets.size((*family, "n", m, k), n)
-    kp = shape_buckets.size((*family, "k", m, n), k)
+    mp = m if a_weight else shape_buckets.size((*family, "m", n, k), m)
+    np_ = n if b_weight else shape_buckets.size((*family, "n", m, k), n)
+    kp = k if a_weight or b_weight else shape_buckets.size((*family, "k", m, n), k)
     return (m, n, k), (mp, np_, kp)
+
+
+def _is_weight(t: torch.Tensor) -> bool:
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
 
 
 def pad_operands(a3, b3, transpose_a: bool, transpose_b: bool, sizes):

@@ -78,3 +78,33 @@ def test_batched_and_transposed_operands_padded_exactly(buckets):
         torch.testing.assert_close(torch_pallas.matmul(a, b), torch.matmul(a, b),
                                    rtol=1e-5, atol=1e-5)
         assert torch_pallas.matmul(a, b).shape == (3, rows, 16)
+
+
+def test_a_weights_sizes_are_never_padded(buckets):
+    """Layers whose weights share a size (K) but not the other (N) are not
+    one changing size: a weight is never padded (that would copy it on every
+    call), while the token count, M forward and K in the weight's gradient,
+    is bucketed once it changes."""
+    from torch_pallas.ops import matmul as matmul_op
+
+    matmul_op._PLANS.clear()
+    weights = [torch.nn.Parameter(torch.randn(n, 37)) for n in (50, 23, 70)]
+    for rows in (10, 13, 10):
+        x = torch.randn(rows, 37, requires_grad=True)
+        outs = [torch_pallas.linear(x, w) for w in weights]
+        dys = [torch.randn_like(o) for o in outs]
+        grads = torch.autograd.grad(outs, [x, *weights], dys)
+        torch.testing.assert_close(grads[0], sum(dy @ w for dy, w in zip(dys, weights)),
+                                   atol=1e-4, rtol=1e-4)
+        for w, o, dy, g in zip(weights, outs, dys, grads[1:]):
+            torch.testing.assert_close(o, x @ w.t(), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(g, dy.t() @ x, atol=1e-4, rtol=1e-4)
+    sizes = [plan.sizes for plan in matmul_op._PLANS.values()]
+    weight_dims = {(50, 37), (23, 37), (70, 37), (37, 50), (37, 23), (37, 70)}
+    # forward and input gradient: (M, N, K) with N, K a weight's, never padded
+    forward = [(s, p) for s, p in sizes if (s[1], s[2]) in weight_dims]
+    assert forward and all(p[1:] == s[1:] for s, p in forward)
+    assert any(p[0] == 16 and s[0] == 13 for s, p in forward)  # the rows changed: bucketed
+    # weight gradient: (N, K) output, the contraction over the tokens bucketed
+    weight_grad = [(s, p) for s, p in sizes if (s[0], s[1]) in weight_dims]
+    assert any(s[2] == 13 and p[2] == 16 for s, p in weight_grad)

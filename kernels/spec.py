@@ -60,6 +60,9 @@ class KernelSpec:
         cannot run this call as torch asks (a sentence finishing "backend
         'x' ..."), or None. An automatic backend choice then falls back; an
         explicit one raises with the reason.
+      flops: optional; (avals, params) -> the call's floating-point
+        operations, known before anything is traced (the build skips a
+        lowering for the calling thread's client that the size rules out).
     """
 
     run: Callable[..., Any]
@@ -67,6 +70,7 @@ class KernelSpec:
     select_config: Callable[[str, Avals, Mapping[str, Any], Any], Any] | None = None
     compiler_options: Callable[[str, Avals, Mapping[str, Any]], Mapping[str, Any]] | None = None
     unsupported: Callable[[str, Avals, Mapping[str, Any]], str | None] | None = None
+    flops: Callable[[Avals, Mapping[str, Any]], float] | None = None
 
     def config(self, backend: str, avals: Avals, params: Mapping[str, Any],
                device: Any = None) -> Any:
@@ -80,6 +84,10 @@ class KernelSpec:
         if self.compiler_options is None:
             return {}
         return self.compiler_options(backend, avals, params)
+
+    def work(self, avals: Avals, params: Mapping[str, Any]) -> float | None:
+        """The call's FLOPs where the kernel says, else None."""
+        return None if self.flops is None else self.flops(avals, params)
 
     def refusal(self, backend: str, avals: Avals, params: Mapping[str, Any]) -> str | None:
         if self.unsupported is None:

@@ -222,9 +222,21 @@ def pad_operands(a3, b3, transpose_a: bool, transpose_b: bool, sizes):
         return a3, b3
     a_rows, a_cols = (kp, mp) if transpose_a else (mp, kp)
     b_rows, b_cols = (np_, kp) if transpose_b else (kp, np_)
-    pad = torch.nn.functional.pad
-    return (pad(a3, (0, a_cols - a3.shape[2], 0, a_rows - a3.shape[1])),
-            pad(b3, (0, b_cols - b3.shape[2], 0, b_rows - b3.shape[1])))
+    return _zero_padded(a3, a_rows, a_cols), _zero_padded(b3, b_rows, b_cols)
+
+
+def _zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """t (B, R, C) in a (B, rows, cols) tensor, zeros beyond: written once,
+    the padding alone zeroed (F.pad zeroes the whole tensor, then copies
+    t over it: a write of the whole tensor more)."""
+    batch, r, c = t.shape
+    if (r, c) == (rows, cols):
+        return t
+    out = t.new_empty(batch, rows, cols)
+    out[:, :r, :c] = t
+    out[:, r:, :].zero_()
+    out[:, :r, c:].zero_()
+    return out
 
 
 def float32_precision() -> str:

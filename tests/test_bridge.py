@@ -87,6 +87,35 @@ def test_small_cpu_kernels_run_on_the_synchronous_client():
             assert torch.equal(torch.ops.pallas.add(x, y), x + y)
 
 
+def test_a_kernel_known_too_large_is_lowered_once(monkeypatch):
+    """A kernel whose FLOPs rule out the calling thread (matmul's, known
+    from its shapes) is lowered for JAX's client alone, not first for the
+    synchronous one; a small one still runs synchronously."""
+    from torch_pallas import compilation, compile_cache, disk_cache, jax_env, launch
+
+    monkeypatch.setenv(disk_cache.ENV_VAR, "off")  # built here, not read from disk
+    jax = jax_env.jax()
+    lowered_for = []
+    lower = compilation.lower
+    monkeypatch.setattr(compilation, "lower", lambda entry, avals, device: (
+        lowered_for.append(device.client is jax.devices("cpu")[0].client),
+        lower(entry, avals, device))[1])
+    compile_cache.clear()
+    cpu = torch.device("cpu")
+    with torch_pallas.backend("interpret"):
+        for m, synchronous in ((3, True), (701, False)):  # 2*701*600*300 > 2e8 FLOPs
+            lowered_for.clear()
+            a, b = torch.randn(m, 300), torch.randn(300, 600)
+            _, kernel, _ = launch.compiled_kernel(
+                "matmul", cpu, (a[None], b[None]),
+                {"transpose_a": False, "transpose_b": False, "precision": "ieee"})
+            assert lowered_for == [not synchronous], (m, lowered_for)
+            assert (compilation.input_device(kernel).client is jax.devices("cpu")[0].client) \
+                != synchronous
+            torch.testing.assert_close(torch_pallas.matmul(a, b), a @ b, rtol=1e-5, atol=1e-4)
+    compile_cache.clear()
+
+
 def test_export_waits_for_the_kernel_to_finish():
     """A result large enough to run asynchronously reaches torch complete."""
     x = torch.randn(1 << 22)

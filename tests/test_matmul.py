@@ -86,6 +86,21 @@ def test_matmul_many_rows_float32(transposed):
         check_matmul(a, random_tensor((37, 29), torch.float32))
 
 
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["w", "w.t()"])
+def test_matmul_one_row_float32(b_transposed):
+    """A single row (a decode step's product), which the interpret backend
+    compiles with Eigen's dot (kernels/tpu/matmul.py compiler_options):
+    exact to float32, as a vector and as a (1, K) matrix."""
+    assert tpu_matmul.compiler_options(
+        "interpret", (((1, 1, 37), "float32"), ((1, 37, 29), "float32")),
+        {"transpose_a": False, "transpose_b": False}) == tpu_matmul.EIGEN_DOT
+    b = random_tensor((29, 37), torch.float32).t() if b_transposed \
+        else random_tensor((37, 29), torch.float32)
+    with torch_pallas.backend("interpret"):
+        check_matmul(random_tensor((1, 37), torch.float32), b)
+        check_matmul(random_tensor((37,), torch.float32), b)
+
+
 def test_unknown_compiler_options_fall_back(monkeypatch):
     """An XLA that does not know a kernel's options compiles without them."""
     options = {"xla_cpu_no_such_option_here": True}

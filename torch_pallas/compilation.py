@@ -29,13 +29,16 @@ SYNCHRONOUS_MAX_BYTES = 16 * 2**20  # operands and results
 
 
 def build(entry: Callable, avals: Avals, options: Mapping[str, Any], backend: Backend,
-          device: torch.device, identity: tuple | None = None):
+          device: torch.device, identity: tuple | None = None, flops: float | None = None):
     """`entry` (JAX arrays in and out) compiled for `avals` on `device`.
     `identity`: what the kernel follows from, as stable values, for a kernel
     that may be kept on disk for the next process (torch_pallas/disk_cache.py),
-    and read back from there if an earlier process built it."""
+    and read back from there if an earlier process built it. `flops`: the
+    kernel's own count where it knows one before a trace (a kernel too large
+    for the calling thread then skips that lowering: 38 of the 83 ms a
+    (768 x 512) @ (512 x 1376) matmul took to build)."""
     synchronous = None
-    if backend.compiles_for_calling_thread(device):
+    if backend.compiles_for_calling_thread(device) and _may_run_synchronously(avals, flops):
         synchronous = jax_env.synchronous_cpu_device()
     clients = ([("synchronous", synchronous.client)] if synchronous is not None else []) + [
         ("jax", backends.jax_device(device).client)]
@@ -68,6 +71,14 @@ def lower(entry: Callable, avals: Avals, jax_device):
     shapes = [jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=sharding)
               for shape, dtype in avals]
     return jax.jit(entry, out_shardings=sharding).lower(*shapes)
+
+
+def _may_run_synchronously(avals: Avals, flops: float | None) -> bool:
+    """Whether a kernel with these inputs (and FLOPs, where known) could be
+    small enough for the calling thread: what is known before lowering."""
+    jax = jax_env.jax()
+    moved = sum(math.prod(shape) * jax.numpy.dtype(dtype).itemsize for shape, dtype in avals)
+    return moved < SYNCHRONOUS_MAX_BYTES and (flops is None or flops < SYNCHRONOUS_MAX_FLOPS)
 
 
 def runs_synchronously(lowered) -> bool:

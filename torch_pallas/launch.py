@@ -82,8 +82,8 @@ def _shipped_kernel(op: str, backend: Backend, device: torch.device, avals, para
 
 def _entry(op: str, backend: Backend, device: torch.device, avals, params,
            detect_races: bool, user_function: Callable | None):
-    """The kernel's function with everything but its inputs bound, and its
-    XLA options."""
+    """The kernel's function with everything but its inputs bound, its XLA
+    options, and its FLOPs where the kernel knows them before a trace."""
     execution = backend.execution(device=device, takes_inputs=bool(avals),
                                   detect_races=detect_races)
     if user_function is not None:  # a user's JAX function (torch_pallas.custom_op)
@@ -94,12 +94,12 @@ def _entry(op: str, backend: Backend, device: torch.device, avals, params,
             )
         takes = inspect.signature(user_function).parameters
         bound = {"interpret": execution["interpret"]} if "interpret" in takes else {}
-        return functools.partial(user_function, **params, **bound), {}
+        return functools.partial(user_function, **params, **bound), {}, None
     backend, spec = _shipped_kernel(op, backend, device, avals, params)
     target = None if backend.family == "triton" else backends.jax_device(device)
     config = spec.config(backend.name, avals, params, target)
     entry = functools.partial(spec.run, **params, config=config, **execution)
-    return entry, spec.options(backend.name, avals, params)
+    return entry, spec.options(backend.name, avals, params), spec.work(avals, params)
 
 
 def compiled_kernel(
@@ -133,7 +133,8 @@ def compiled_kernel(
         key += (user_function,)
 
     def build():
-        entry, options = _entry(op, backend, device, avals, params, detect_races, user_function)
+        entry, options, flops = _entry(op, backend, device, avals, params, detect_races,
+                                       user_function)
         if backend.family == "triton":
             return entry  # launched on torch tensors as it is
         from torch_pallas import kernel_advice, mosaic_gpu_pallas_call
@@ -143,7 +144,8 @@ def compiled_kernel(
             entry = mosaic_gpu_pallas_call.simulated(entry)
         try:
             kernel = compilation.build(entry, avals, options, backend, device,
-                                       identity=_persistent_identity(key, entry, options))
+                                       identity=_persistent_identity(key, entry, options),
+                                       flops=flops)
         except Exception as e:
             building = (f"{name}: building its {backend.name!r} kernel for inputs "
                         f"{list(avals)} and parameters {dict(params)}")

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels.attention_shapes import attention_dims
+from torch_pallas.kernels.attention_shapes import attention_dims, attention_flops
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import round_up
 from torch_pallas.kernels.spec import KernelSpec
@@ -309,5 +309,9 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     return blocks_.batched_config(_dims(avals), causal=bool(params.get("causal", False)))
 
 
+def flops(avals, params) -> float:
+    return attention_flops(_dims(avals), bool(params.get("causal", False)))
+
+
 KERNEL = KernelSpec(run=attention, default_config=AttentionConfig.default,
-                    select_config=select_config, unsupported=blocks_.unsupported)
+                    select_config=select_config, unsupported=blocks_.unsupported, flops=flops)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels.attention_shapes import attention_dims
+from torch_pallas.kernels.attention_shapes import attention_dims, attention_flops
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import round_up
 from torch_pallas.kernels.spec import KernelSpec
@@ -393,11 +393,18 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     (attention_blocks.batched_blocks); TPU blocks elsewhere."""
     if backend != "interpret":
         return AttentionConfig.default(backend)
+    return blocks_.batched_config(_dims(avals), causal=bool(params.get("causal", False)))
+
+
+def _dims(avals):
     shapes = [shape for shape, _ in avals]
-    mask = len(avals) > 6
-    dims = attention_dims(*shapes[:3], shapes[6] if mask else None)
-    return blocks_.batched_config(dims, causal=bool(params.get("causal", False)))
+    return attention_dims(*shapes[:3], shapes[6] if len(avals) > 6 else None)
+
+
+def flops(avals, params) -> float:
+    """The backward's five products: 2.5 forwards (as FlashAttention counts)."""
+    return 2.5 * attention_flops(_dims(avals), bool(params.get("causal", False)))
 
 
 KERNEL = KernelSpec(run=attention_backward, default_config=AttentionConfig.default,
-                    select_config=select_config, unsupported=blocks_.unsupported)
+                    select_config=select_config, unsupported=blocks_.unsupported, flops=flops)

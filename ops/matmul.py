@@ -119,8 +119,8 @@ def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype == torch.float32:
         params["precision"] = float32_precision()
     sizes = bucket_sizes(a3, b3, transpose_a, transpose_b, weights=(_is_weight(a), _is_weight(b)))
-    plan = _Plan.of(a, b, a3, b3, sizes, params, shape)
-    if key is not None and plan is not None:
+    plan = None if key is None else _Plan.of(a, b, a3, b3, sizes, params, shape)
+    if plan is not None:
         if len(_PLANS) >= MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan

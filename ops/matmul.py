@@ -141,11 +141,11 @@ def _run(operands, sizes, params, shape):
 # shapes, strides, dtypes and device alone, and a decode loop repeats a few
 # layouts thousands of times: on the 2-core CPU the working out took 137 of
 # the 356 us a (1 x 512) @ (512 x 1376) call spent in matmul_implementation.
-# A plan keeps it per layout: the operands' kernel views (as_strided), the
-# buckets, the parameters. Keyed by everything it follows from, the float32
-# precision setting, which operands are weights and the buckets' state
-# included; CPU tensors only (not
-# fake or other subclasses, whose sizes may be symbolic).
+# A plan keeps it per layout: the operands' kernel views (as_strided
+# recipes, no tensors), the buckets, the parameters. It is keyed by
+# everything it follows from, the float32 precision setting, which operands
+# are weights and the buckets' state included; CPU tensors only (not fake
+# tensors or other subclasses, whose sizes may be symbolic).
 
 MAX_PLANS = 1024
 _PLANS: dict = {}

@@ -14,6 +14,16 @@ from torch_pallas import shape_buckets
 from torch_pallas.ops import matmul as matmul_op
 
 
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    """No sizes seen, no plans: an earlier test's sizes would start buckets
+    at a first call here (the buckets' state advances: a second plan)."""
+    shape_buckets.reset()
+    matmul_op._PLANS.clear()
+    yield
+    shape_buckets.reset()
+
+
 def _check(a, b):
     got = torch_pallas.matmul(a, b)
     want = a.double() @ b.double()
@@ -40,7 +50,6 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("make", LAYOUTS.values(), ids=LAYOUTS.keys())
 def test_a_repeated_layout_reuses_its_plan_on_new_data(make):
-    matmul_op._PLANS.clear()
     first, second = _fresh(make)
     _check(*first)
     planned = len(matmul_op._PLANS)
@@ -53,8 +62,6 @@ def test_a_repeated_layout_reuses_its_plan_on_new_data(make):
 def test_a_plan_reads_each_calls_own_storage_offset():
     """Two slices of one buffer with the same shape and strides share a plan;
     each call reads its own rows."""
-    shape_buckets.reset()  # (an earlier test's sizes would start buckets: a new plan)
-    matmul_op._PLANS.clear()
     x = torch.randn(20, 37)
     w = torch.randn(53, 37)
     for rows in (slice(0, 7), slice(5, 12), slice(13, 20)):
@@ -66,22 +73,17 @@ def test_plans_follow_the_buckets_and_the_precision_setting():
     """A plan made before its family's size changed is not used after it:
     the earlier size is bucketed from then on, as without plans. A change of
     torch's float32 precision setting gets its own plan."""
-    shape_buckets.reset()
-    matmul_op._PLANS.clear()
     w = torch.randn(53, 37)
+    _check(torch.randn(100, 37), w.t())
+    before = matmul_op._plan_key(torch.randn(100, 37), w.t())
+    assert matmul_op._PLANS[before].sizes == ((100, 53, 37),) * 2
+    _check(torch.randn(110, 37), w.t())  # the rows change: buckets from now on
+    _check(torch.randn(100, 37), w.t())
+    after = matmul_op._plan_key(torch.randn(100, 37), w.t())
+    assert after != before and matmul_op._PLANS[after].sizes[1][0] == 128
+    saved = torch.get_float32_matmul_precision()
     try:
-        _check(torch.randn(100, 37), w.t())
-        before = matmul_op._plan_key(torch.randn(100, 37), w.t())
-        assert matmul_op._PLANS[before].sizes == ((100, 53, 37),) * 2
-        _check(torch.randn(110, 37), w.t())  # the rows change: buckets from now on
-        _check(torch.randn(100, 37), w.t())
-        after = matmul_op._plan_key(torch.randn(100, 37), w.t())
-        assert after != before and matmul_op._PLANS[after].sizes[1][0] == 128
-        saved = torch.get_float32_matmul_precision()
-        try:
-            torch.set_float32_matmul_precision("high")
-            assert matmul_op._plan_key(torch.randn(100, 37), w.t()) != after
-        finally:
-            torch.set_float32_matmul_precision(saved)
+        torch.set_float32_matmul_precision("high")
+        assert matmul_op._plan_key(torch.randn(100, 37), w.t()) != after
     finally:
-        shape_buckets.reset()
+        torch.set_float32_matmul_precision(saved)

@@ -73,26 +73,36 @@ def lower(entry: Callable, avals: Avals, jax_device):
     return jax.jit(entry, out_shardings=sharding).lower(*shapes)
 
 
+def _small_enough(moved: int, flops: float | None) -> bool:
+    """The synchronous client's limits: `moved` bytes of operands (and
+    results), `flops` where known."""
+    return moved < SYNCHRONOUS_MAX_BYTES and (flops is None or flops < SYNCHRONOUS_MAX_FLOPS)
+
+
+def _nbytes(shapes_and_dtypes) -> int:
+    jax = jax_env.jax()
+    return sum(math.prod(shape) * jax.numpy.dtype(dtype).itemsize
+               for shape, dtype in shapes_and_dtypes)
+
+
 def _may_run_synchronously(avals: Avals, flops: float | None) -> bool:
     """Whether a kernel with these inputs (and FLOPs, where known) could be
     small enough for the calling thread: what is known before lowering."""
-    jax = jax_env.jax()
-    moved = sum(math.prod(shape) * jax.numpy.dtype(dtype).itemsize for shape, dtype in avals)
-    return moved < SYNCHRONOUS_MAX_BYTES and (flops is None or flops < SYNCHRONOUS_MAX_FLOPS)
+    return _small_enough(_nbytes(avals), flops)
 
 
 def runs_synchronously(lowered) -> bool:
     """Whether a lowered kernel is small enough for the calling thread."""
     jax = jax_env.jax()
-    moved = sum(math.prod(a.shape) * jax.numpy.dtype(a.dtype).itemsize
-                for a in jax.tree.leaves((lowered.in_avals, lowered.out_info)))
+    moved = _nbytes((a.shape, a.dtype)
+                    for a in jax.tree.leaves((lowered.in_avals, lowered.out_info)))
     try:
         cost = lowered.cost_analysis() or {}
     except Exception:  # no estimate: JAX's default
         return False
     if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
         cost = cost[0] if cost else {}
-    return cost.get("flops", math.inf) < SYNCHRONOUS_MAX_FLOPS and moved < SYNCHRONOUS_MAX_BYTES
+    return _small_enough(moved, cost.get("flops", math.inf))
 
 
 def compile_lowered(lowered, options: Mapping[str, Any]):

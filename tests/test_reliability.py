@@ -240,6 +240,27 @@ def test_threads_on_a_simulator_serialise_safely():
         assert all(pool.map(work, range(8)))
 
 
+
+@pytest.mark.parametrize("backend", ["tpu_interpret", "mosaic_gpu_interpret"])
+def test_a_simulated_kernel_compiles_its_cores_bodies_once(backend):
+    """The simulators run each simulated core or thread as a compiled body;
+    JAX would compile it anew on every call (jax_env.
+    compile_simulated_threads_once). Later calls on fresh data build
+    nothing, and give the right results."""
+    from torch_pallas import jax_env
+
+    n = 1000 + len(backend)  # a size no other test here builds
+    with torch_pallas.backend(backend):
+        x, y = torch.randn(n), torch.randn(n)
+        torch.testing.assert_close(P.add(x, y), x + y, rtol=0, atol=0)
+        bodies = dict(jax_env._simulated_bodies)
+        assert bodies, "no simulated body was compiled through jax_env"
+        for _ in range(2):
+            x, y = torch.randn(n), torch.randn(n)
+            torch.testing.assert_close(P.add(x, y), x + y, rtol=0, atol=0)
+    assert all(jax_env._simulated_bodies.get(k) is v for k, v in bodies.items())
+    assert len(jax_env._simulated_bodies) == len(bodies)
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20

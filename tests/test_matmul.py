@@ -101,6 +101,40 @@ def test_matmul_one_row_float32(b_transposed):
         check_matmul(random_tensor((37,), torch.float32), b)
 
 
+@pytest.mark.parametrize("transposes", [(False, False), (True, False), (False, True), (True, True)])
+def test_one_block_on_refs_equals_the_pallas_call(transposes):
+    """Under JAX's generic interpreter the one-block matmul kernel runs on
+    JAX refs (kernels/gridless.py), not through pallas_call: the same
+    kernel, bit for bit the same results (ragged sizes, a broadcast
+    batch), and an XLA computation without pallas_call's grid loop."""
+    import functools
+
+    import jax
+    import numpy as np
+    from jax.experimental import pallas as pl
+
+    from torch_pallas.kernels import gridless
+
+    transpose_a, transpose_b = transposes
+    batch, m, k, n = 3, 37, 29, 23
+    a = random_tensor((1, k, m) if transpose_a else (1, m, k), torch.float32).numpy()
+    b = random_tensor((batch, n, k) if transpose_b else (batch, k, n), torch.float32).numpy()
+    kernel = functools.partial(tpu_matmul.one_block_kernel, transpose_a=transpose_a,
+                               transpose_b=transpose_b)
+    out_shape = jax.ShapeDtypeStruct((batch, m, n), np.float32)
+    on_refs = jax.jit(lambda x, y: gridless.call(kernel, out_shape, x, y, interpret=True))
+    through_pallas = jax.jit(lambda x, y: pl.pallas_call(kernel, out_shape=out_shape,
+                                                         interpret=True)(x, y))
+    expected = np.asarray(through_pallas(a, b))
+    np.testing.assert_array_equal(np.asarray(on_refs(a, b)), expected)
+    ref = matmul_op.reference(torch.from_numpy(a.transpose(0, 2, 1) if transpose_a else a),
+                              torch.from_numpy(b.transpose(0, 2, 1) if transpose_b else b))
+    torch.testing.assert_close(torch.from_numpy(expected).double(), ref, rtol=1e-5, atol=1e-5)
+    if gridless._REFS:
+        assert "while" not in on_refs.lower(a, b).as_text()
+        assert "while" in through_pallas.lower(a, b).as_text()
+
+
 def test_unknown_compiler_options_fall_back(monkeypatch):
     """An XLA that does not know a kernel's options compiles without them."""
     options = {"xla_cpu_no_such_option_here": True}

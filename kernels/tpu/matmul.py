@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from torch_pallas.kernels import gridless
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import matmul_dims, round_up
 from torch_pallas.kernels.spec import KernelSpec
@@ -127,14 +128,13 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
     bb, bm, bn, bk = (config.block_b or batch, config.block_m or m,
                       config.block_n or n, config.block_k or k)
     if (bb, bm, bn, bk) == (batch, m, n, k) and num_cores == 1:
-        # One block on one core (the CPU's configuration): a pallas_call
-        # without a grid, which JAX lowers in a fifth of the pipelined
-        # form's time (a kernel is built per new shape) into the same dot.
-        return pl.pallas_call(
+        # One block on one core (the CPU's configuration): a kernel without
+        # a grid, which JAX lowers in a fifth of the pipelined form's time
+        # (a kernel is built per new shape) into the same dot.
+        return gridless.call(
             functools.partial(one_block_kernel, transpose_a=transpose_a, transpose_b=transpose_b),
-            out_shape=jax.ShapeDtypeStruct((batch, m, n), a.dtype),
-            interpret=interpret,
-        )(a, b)
+            jax.ShapeDtypeStruct((batch, m, n), a.dtype), a, b, interpret=interpret,
+        )
     bp, mp, np_, kp = round_up(batch, bb), round_up(m, bm), round_up(n, bn), round_up(k, bk)
 
     def padded(x, rows, cols, transposed):

@@ -9,7 +9,8 @@ made a (M x 512) @ (512 x 1376) matmul's build 2.3x as long: 58 ms against
 25 (trace, lowering and XLA compile, medians over 30 new M, the 2-core AMD
 EPYC, 2026-12-01); the compiled computation is the same XLA dot. A kernel
 is built for every new shape on the CPU, so this is what a model whose
-token count changes pays per size. A JAX without refs takes `pallas_call`.
+token count changes pays per size. A JAX without refs (or whose refs are
+made otherwise) takes `pallas_call`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ def call(kernel: Callable, out_shape: jax.ShapeDtypeStruct, *inputs, interpret):
     """`kernel(*input_refs, output_ref)` run once over whole arrays; returns
     the output."""
     if interpret is True and _REFS:
-        out = jax.empty_ref(out_shape)
-        kernel(*(jax.new_ref(x) for x in inputs), out)
-        return out[...]
+        try:
+            out = jax.empty_ref(out_shape)
+            refs = [jax.new_ref(x) for x in inputs]
+        except TypeError:  # a JAX whose refs take other arguments
+            pass
+        else:
+            kernel(*refs, out)
+            return out[...]
     return pl.pallas_call(kernel, out_shape=out_shape, interpret=interpret)(*inputs)

@@ -240,7 +240,6 @@ def test_threads_on_a_simulator_serialise_safely():
         assert all(pool.map(work, range(8)))
 
 
-
 @pytest.mark.parametrize("backend", ["tpu_interpret", "mosaic_gpu_interpret"])
 def test_a_simulated_kernel_compiles_its_cores_bodies_once(backend):
     """The simulators run each simulated core or thread as a compiled body;
@@ -260,6 +259,7 @@ def test_a_simulated_kernel_compiles_its_cores_bodies_once(backend):
             torch.testing.assert_close(P.add(x, y), x + y, rtol=0, atol=0)
     assert all(jax_env._simulated_bodies.get(k) is v for k, v in bodies.items())
     assert len(jax_env._simulated_bodies) == len(bodies)
+
 
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:

@@ -129,8 +129,8 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
                       config.block_n or n, config.block_k or k)
     if (bb, bm, bn, bk) == (batch, m, n, k) and num_cores == 1:
         # One block on one core (the CPU's configuration): a kernel without
-        # a grid, which JAX lowers in a fifth of the pipelined form's time
-        # (a kernel is built per new shape) into the same dot.
+        # a grid (kernels/gridless.py), built in a fraction of the pipelined
+        # form's time (a kernel is built per new shape) into the same dot.
         return gridless.call(
             functools.partial(one_block_kernel, transpose_a=transpose_a, transpose_b=transpose_b),
             jax.ShapeDtypeStruct((batch, m, n), a.dtype), a, b, interpret=interpret,

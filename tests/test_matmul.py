@@ -101,6 +101,84 @@ def test_matmul_one_row_float32(b_transposed):
         check_matmul(random_tensor((37,), torch.float32), b)
 
 
+SIXTEEN_BIT = [torch.bfloat16, torch.float16]
+LAYOUTS = {  # a, b (M, K, N) -> operands in that layout
+    "a @ b": lambda a, b: (a, b),
+    "a @ b.T": lambda a, b: (a, b.mT.contiguous().mT),
+    "a.T @ b": lambda a, b: (a.mT.contiguous().mT, b),
+    "a.T @ b.T": lambda a, b: (a.mT.contiguous().mT, b.mT.contiguous().mT),
+    "batch @ b": lambda a, b: (torch.stack([a, a.flip(0)]), b),
+}
+
+
+def _kernel_hlo(a3, b3, params):
+    """The interpret backend's matmul kernel for these 3-D operands, compiled
+    as the op compiles it (config and XLA options): its HLO."""
+    import functools
+
+    import jax
+
+    avals = tuple((tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in (a3, b3))
+    config = tpu_matmul.KERNEL.config("interpret", avals, params)
+    entry = functools.partial(tpu_matmul.matmul, **params, config=config, interpret=True,
+                              num_cores=1)
+    shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
+    options = tpu_matmul.KERNEL.options("interpret", avals, params)
+    return jax.jit(entry).lower(*shapes).compile(options).as_text()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=str)
+def test_matmul_16bit_on_onednn(dtype, layout):
+    """16-bit products large enough for oneDNN (kernels/tpu/matmul.py
+    cpu_library) in every layout: the dot yields the 16-bit dtype, within
+    the float32-accumulation bound of the float64 reference, and XLA hands it
+    to oneDNN where this CPU has the instructions."""
+    m, k, n = (70, 301, 65) if layout == "a.T @ b" else (520, 530, 515)  # ragged; X^T @ dY from 64 rows
+    a, b = LAYOUTS[layout](random_tensor((m, k), dtype), random_tensor((k, n), dtype))
+    with torch_pallas.backend("interpret"):
+        check_matmul(a, b)
+    a3, transpose_a = as_kernel_operand(a.reshape(-1, m, k), a.shape[:-2])
+    b3, transpose_b = as_kernel_operand(b.reshape(1, k, n), a.shape[:-2])
+    params = {"transpose_a": transpose_a, "transpose_b": transpose_b}
+    avals = tuple((tuple(t.shape), str(dtype).removeprefix("torch.")) for t in (a3, b3))
+    takes = tpu_matmul.onednn_takes_16bit(avals[0][1])
+    assert tpu_matmul.cpu_library("interpret", avals, params) == ("onednn_16bit" if takes else None)
+    if not takes:
+        pytest.skip(f"this CPU has no {tpu_matmul._CPU_FLAGS[avals[0][1]]} for oneDNN (hardware)")
+    assert "__onednn_fusion" in _kernel_hlo(a3, b3, params)
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=str)
+def test_matmul_16bit_below_onednn_limits_or_without_it(dtype, monkeypatch):
+    """Below the limits, or on a CPU whose XLA gives oneDNN no 16-bit dot,
+    a 16-bit product keeps XLA's default (YNNPACK, or its float32 Eigen
+    fallback) and the float32-accumulated dot: still within the bound."""
+    name = str(dtype).removeprefix("torch.")
+    square = lambda size: (((1, size, size), name), ((1, size, size), name))  # noqa: E731
+    plain = {"transpose_a": False, "transpose_b": False}
+    monkeypatch.setattr(tpu_matmul, "onednn_takes_16bit", lambda dtype: True)
+    assert tpu_matmul.ONEDNN_16BIT_MIN_FLOPS == 2 * 500**3  # the boundary
+    assert tpu_matmul.cpu_library("interpret", square(499), plain) is None
+    assert tpu_matmul.cpu_library("interpret", square(500), plain) == "onednn_16bit"
+    transposed = {"transpose_a": True, "transpose_b": False}
+    assert tpu_matmul.cpu_library("interpret", (((1, 9, 63), name), ((1, 9, 5), name)),
+                                  transposed) is None
+    assert tpu_matmul.cpu_library("interpret", (((1, 9, 64), name), ((1, 9, 5), name)),
+                                  transposed) == "onednn_16bit"
+    assert tpu_matmul.cpu_library("tpu", square(2048), plain) is None
+    monkeypatch.setattr(tpu_matmul, "onednn_takes_16bit", lambda dtype: False)
+    assert tpu_matmul.select_config("interpret", square(2048), plain).dot_in_output_dtype is False
+    compile_cache.clear()
+    try:
+        with torch_pallas.backend("interpret"):
+            a = random_tensor((530, 520), dtype)
+            check_matmul(a.mT, random_tensor((530, 515), dtype))  # X^T @ dY, above the limits
+            check_matmul(a, random_tensor((520, 517), dtype))
+    finally:
+        compile_cache.clear()
+
+
 @pytest.mark.parametrize("transposes", [(False, False), (True, False), (False, True), (True, True)])
 def test_one_block_on_refs_equals_the_pallas_call(transposes):
     """Under JAX's generic interpreter the one-block matmul kernel runs on

@@ -37,6 +37,9 @@ class MatmulConfig:
     block_m: int | None
     block_n: int | None
     block_k: int | None
+    # The CPU's 16-bit GEMM (oneDNN, see cpu_library): the dot yields the
+    # output's dtype itself, accumulating in float32 and rounding once.
+    dot_in_output_dtype: bool = False
 
     @classmethod
     def default(cls, backend: str) -> "MatmulConfig":
@@ -47,8 +50,9 @@ class MatmulConfig:
         return cls(block_b=1, block_m=128, block_n=128, block_k=128)
 
 
-def product(a, b, batch: int, transpose_a: bool, transpose_b: bool):
-    """The float32 product of blocks a and b (a batch of 1 broadcast)."""
+def product(a, b, batch: int, transpose_a: bool, transpose_b: bool, dtype=jnp.float32):
+    """The product of blocks a and b (a batch of 1 broadcast), accumulated
+    in float32 and returned in `dtype`."""
     a = jnp.broadcast_to(a, (batch, *a.shape[1:]))
     b = jnp.broadcast_to(b, (batch, *b.shape[1:]))
     contract = ((1 if transpose_a else 2,), (2 if transpose_b else 1,))
@@ -56,14 +60,17 @@ def product(a, b, batch: int, transpose_a: bool, transpose_b: bool):
     # pass, less than torch allows at any float32 matmul precision.
     return jax.lax.dot_general(
         a, b, (contract, ((0,), (0,))), precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=dtype,
     )
 
 
-def one_block_kernel(a_ref, b_ref, o_ref, *, transpose_a, transpose_b):
-    """The whole product as one block: no grid, no pipeline."""
+def one_block_kernel(a_ref, b_ref, o_ref, *, transpose_a, transpose_b, in_output_dtype=False):
+    """The whole product as one block: no grid, no pipeline. With
+    `in_output_dtype` the dot itself yields the output's dtype (a library
+    that accumulates in float32 inside: MatmulConfig.dot_in_output_dtype)."""
+    dtype = o_ref.dtype if in_output_dtype else jnp.float32
     o_ref[...] = product(a_ref[...], b_ref[...], o_ref.shape[0], transpose_a,
-                         transpose_b).astype(o_ref.dtype)
+                         transpose_b, dtype).astype(o_ref.dtype)
 
 
 def matmul_kernel(a_hbm, b_hbm, o_hbm, acc_vmem=None, *, blocks, transpose_a, transpose_b,
@@ -132,7 +139,8 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
         # a grid (kernels/gridless.py), built in a fraction of the pipelined
         # form's time (a kernel is built per new shape) into the same dot.
         return gridless.call(
-            functools.partial(one_block_kernel, transpose_a=transpose_a, transpose_b=transpose_b),
+            functools.partial(one_block_kernel, transpose_a=transpose_a, transpose_b=transpose_b,
+                              in_output_dtype=config.dot_in_output_dtype),
             jax.ShapeDtypeStruct((batch, m, n), a.dtype), a, b, interpret=interpret,
         )
     bp, mp, np_, kp = round_up(batch, bb), round_up(m, bm), round_up(n, bn), round_up(k, bk)
@@ -157,7 +165,11 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
     return out[:batch, :m, :n]
 
 
-# On the CPU (one block, one XLA dot) oneDNN beats XLA's YNNPACK only for float32 with many rows.
+# --- which GEMM library XLA's CPU compiler gives the one-block dot -------
+# Measured side by side with torch.matmul in one process, medians of
+# interleaved rounds (README, "Performance", has the tables).
+
+# oneDNN beats XLA's default (YNNPACK) for float32 with many rows.
 ONEDNN_DOT = {
     "xla_cpu_experimental_ynn_fusion_type": "",
     "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT",
@@ -171,22 +183,88 @@ ONEDNN_MIN_ROWS = 1024
 # 2-core AMD EPYC, 2026-12-01). At two rows Eigen is 5x slower.
 EIGEN_DOT = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
+# 16-bit dots. XLA widens a bfloat16 dot to float32 (its float-normalization
+# pass) unless a library takes it in bfloat16, and YNNPACK, the only one
+# that does by default, takes it only with A's rows contiguous: X^T @ dY, a
+# weight's gradient, ran as a float32 Eigen dot at 0.16-0.30x torch's
+# speed. oneDNN takes a 16-bit dot whose operands and result share the
+# dtype, in any layout, where the CPU has the instructions (AVX512-BF16,
+# AVX512-FP16); it accumulates in float32 and rounds once, as torch's CPU
+# matmul does (oneDNN too, the same errors). So the dot yields the output
+# dtype (MatmulConfig.dot_in_output_dtype) and the pass is off: 2-core Xeon
+# with AMX, bfloat16 2048^3 in 10.3 ms against YNNPACK's 15.0 and torch's
+# 9.6; X^T @ dY 2048^3 in 16.3 ms against 116 (torch 19.0); (64 x 512)^T @
+# (64 x 1376) 0.46 ms against 1.17 (torch 0.31). Below the limits YNNPACK
+# (or its float32 fallback) is faster: oneDNN costs ~0.3 ms more a call
+# ((8 x 512) @ (512 x 1376)^T: 0.67 ms against 0.27).
+ONEDNN_16BIT_DOT = {**ONEDNN_DOT, "xla_disable_hlo_passes": "float-normalization-bf16"}
+ONEDNN_16BIT_MIN_FLOPS = 2.5e8
+ONEDNN_16BIT_MIN_ROWS_TRANSPOSED = 64  # X^T @ dY: its M
+_CPU_FLAGS = {"bfloat16": "avx512_bf16", "float16": "avx512_fp16"}  # XLA's own test
+
+
+@functools.cache
+def onednn_takes_16bit(dtype: str) -> bool:
+    """Whether this XLA hands a `dtype` dot to oneDNN on this CPU, asked of
+    XLA itself (one small compile, once a process) where the CPU has the
+    instructions: with the float-normalization pass off, a 16-bit dot that
+    no library takes fails to compile."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:  # not Linux: no oneDNN build in JAX's CPU wheels to ask
+        return False
+    if _CPU_FLAGS[dtype] not in flags:
+        return False
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    x = jax.ShapeDtypeStruct((16, 16), jnp.dtype(dtype), sharding=cpu)
+    try:
+        compiled = jax.jit(jnp.matmul).lower(x, x).compile(ONEDNN_16BIT_DOT)
+        return "__onednn_fusion" in compiled.as_text()
+    except Exception:
+        return False
+
+
+def cpu_library(backend: str, avals, params) -> str | None:
+    """The GEMM library for the `interpret` backend's one-block dot:
+    "onednn", "onednn_16bit", "eigen", or None (XLA's default)."""
+    if backend != "interpret":
+        return None
+    (a_shape, dtype), (b_shape, _) = avals
+    transpose_a = params["transpose_a"]
+    batch, m, n, k = matmul_dims(a_shape, b_shape, transpose_a, params["transpose_b"])
+    if dtype in _CPU_FLAGS:
+        large = (m >= ONEDNN_16BIT_MIN_ROWS_TRANSPOSED if transpose_a
+                 else 2.0 * batch * m * n * k >= ONEDNN_16BIT_MIN_FLOPS)
+        return "onednn_16bit" if large and onednn_takes_16bit(dtype) else None
+    # A transposed float32 A keeps XLA's default: with oneDNN the (1024x1376)^T
+    # @ (1024x512) product ran at 0.92x torch's speed, without it 0.99x
+    # (2-core AMD EPYC, medians of 40 interleaved rounds, 2026-12-01).
+    if transpose_a or dtype != "float32":
+        return None
+    if m >= ONEDNN_MIN_ROWS:
+        return "onednn"
+    if m == 1 and batch == 1:
+        return "eigen"
+    return None
+
+
+_LIBRARY_OPTIONS = {"onednn": ONEDNN_DOT, "onednn_16bit": ONEDNN_16BIT_DOT, "eigen": EIGEN_DOT,
+                    None: {}}
+
 
 def compiler_options(backend: str, avals, params) -> dict:
     """XLA options for this kernel's compilation: on `interpret`, the CPU
-    GEMM library for this dtype and shape. A transposed A (a weight's
-    gradient, X^T @ dY) keeps XLA's default: with oneDNN the (1024x1376)^T @
-    (1024x512) float32 product ran at 0.92x torch's speed, without it 0.99x
-    (2-core AMD EPYC, medians of 40 interleaved rounds, 2026-12-01)."""
-    if backend != "interpret" or params["transpose_a"]:
-        return {}
-    (a_shape, dtype), (b_shape, _) = avals
-    batch, m, _, _ = matmul_dims(a_shape, b_shape, params["transpose_a"], params["transpose_b"])
-    if dtype == "float32" and m >= ONEDNN_MIN_ROWS:
-        return ONEDNN_DOT
-    if dtype == "float32" and m == 1 and batch == 1:
-        return EIGEN_DOT
-    return {}
+    GEMM library for this dtype and shape (cpu_library)."""
+    return _LIBRARY_OPTIONS[cpu_library(backend, avals, params)]
+
+
+def select_config(backend: str, avals, params, device=None) -> MatmulConfig:
+    config = MatmulConfig.default(backend)
+    if cpu_library(backend, avals, params) == "onednn_16bit":
+        return dataclasses.replace(config, dot_in_output_dtype=True)
+    return config
 
 
 def flops(avals, params) -> float:
@@ -195,5 +273,5 @@ def flops(avals, params) -> float:
     return 2.0 * batch * m * n * k
 
 
-KERNEL = KernelSpec(run=matmul, default_config=MatmulConfig.default,
+KERNEL = KernelSpec(run=matmul, default_config=MatmulConfig.default, select_config=select_config,
                     compiler_options=compiler_options, flops=flops)

@@ -1,6 +1,6 @@
 """pallas::matmul against torch.matmul: GFLOP/s and the ratio to torch.
 
-CPU: float32 squares 256..2048. GPU: bfloat16 and float16 squares
+CPU: float32, bfloat16 and float16 squares 256..2048. GPU: bfloat16 and float16 squares
 1024..8192, 4096x8192x4096, and LLM shapes (M in 16, 128, 2048, 8192;
 K = 4096; N in 4096, 14336). Also one MLP step, gelu(x @ w), torch's
 against the Pallas matmul's (CPU 512^3 and 1024^3, GPU 4096^3)."""
@@ -23,7 +23,8 @@ elif DEVICE.type == "cuda":
     ]
     DTYPES = [torch.bfloat16, torch.float16]
 else:
-    SHAPES, DTYPES = [(n, n, n) for n in (256, 512, 1024, 2048)], [torch.float32]
+    SHAPES = [(n, n, n) for n in (256, 512, 1024, 2048)]
+    DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 CASES = [
     (p, shape)

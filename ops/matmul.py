@@ -127,9 +127,14 @@ def matmul_implementation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _run(pad_operands(a3, b3, transpose_a, transpose_b, sizes), sizes, params, shape)
 
 
-def _run(operands, sizes, params, shape):
+def _run(operands, sizes, params, shape, call=None):
+    """The kernel on `operands` (through `call`, a launch.bound call, where
+    given), its padding sliced off, in the op's output shape."""
     (m, n, _), _ = sizes
-    out = launch.run("matmul", operands[0].device, operands, params)
+    if call is None:
+        out = launch.run("matmul", operands[0].device, operands, params)
+    else:
+        out = call(*operands)
     if out.shape[1:] != (m, n):
         out = out[:, :m, :n].contiguous()  # a copy only where the rows do not end it
     return out.reshape(shape)
@@ -142,7 +147,8 @@ def _run(operands, sizes, params, shape):
 # layouts thousands of times: on the 2-core CPU the working out took 137 of
 # the 356 us a (1 x 512) @ (512 x 1376) call spent in matmul_implementation.
 # A plan keeps it per layout: the operands' kernel views (as_strided
-# recipes, no tensors), the buckets, the parameters. It is keyed by
+# recipes, no tensors), the buckets, the parameters, and the kernel's call
+# (launch.bound) while launch.binding_state() stays as it was. It is keyed by
 # everything it follows from, the float32 precision setting, which operands
 # are weights and the buckets' state included; CPU tensors only (not fake
 # tensors or other subclasses, whose sizes may be symbolic).
@@ -161,7 +167,7 @@ def _plan_key(a, b):
 
 
 class _Plan:
-    __slots__ = ("views", "sizes", "params", "shape", "transposes")
+    __slots__ = ("views", "sizes", "params", "shape", "transposes", "call", "bound_in")
 
     @classmethod
     def of(cls, a, b, a3, b3, sizes, params, shape):
@@ -175,6 +181,7 @@ class _Plan:
         plan = cls()
         plan.views, plan.sizes, plan.params, plan.shape = tuple(views), sizes, params, shape
         plan.transposes = (params["transpose_a"], params["transpose_b"])
+        plan.call = plan.bound_in = None
         return plan
 
     def run(self, a, b):
@@ -182,7 +189,11 @@ class _Plan:
         a3 = a.as_strided(a_size, a_stride, a.storage_offset() + a_offset)
         b3 = b.as_strided(b_size, b_stride, b.storage_offset() + b_offset)
         operands = pad_operands(a3, b3, *self.transposes, self.sizes)
-        return _run(operands, self.sizes, self.params, self.shape)
+        state = launch.binding_state()
+        if self.bound_in != state:
+            self.call = launch.bound("matmul", a3.device, operands, self.params)
+            self.bound_in = state
+        return _run(operands, self.sizes, self.params, self.shape, self.call)
 
 
 def bucket_sizes(a3, b3, transpose_a: bool, transpose_b: bool, weights=(False, False)):

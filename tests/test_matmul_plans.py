@@ -87,3 +87,31 @@ def test_plans_follow_the_buckets_and_the_precision_setting():
         assert matmul_op._plan_key(torch.randn(100, 37), w.t()) != after
     finally:
         torch.set_float32_matmul_precision(saved)
+
+
+def test_a_plan_binds_its_kernel_only_while_the_backend_and_cache_stay():
+    """A plan calls its kernel directly (launch.bound) from its second call
+    on, and looks it up again when the requested backend changes (a
+    simulator is never bound: it runs through launch.run) or the compile
+    cache is cleared; results stay exact on fresh data throughout."""
+    from torch_pallas import compile_cache, launch
+
+    w = torch.randn(53, 37)
+    x = lambda: torch.randn(3, 37)  # noqa: E731
+    _check(x(), w.t())
+    (plan,) = matmul_op._PLANS.values()
+    _check(x(), w.t())
+    bound = plan.call
+    assert bound is not None and plan.bound_in == launch.binding_state()
+    _check(x(), w.t())
+    assert plan.call is bound  # kept
+    with torch_pallas.backend("tpu_interpret"):
+        _check(x(), w.t())
+        assert plan.call is None  # the simulator runs through launch.run
+    _check(x(), w.t())
+    assert plan.call is not None and plan.call is not bound  # bound again on return
+    rebound = plan.call
+    compile_cache.clear()
+    builds = compile_cache.compiled.builds
+    _check(x(), w.t())
+    assert plan.call is not rebound and compile_cache.compiled.builds == builds + 1

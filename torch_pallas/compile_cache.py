@@ -31,6 +31,8 @@ class CompileCache:
         self.builds = 0
         # call signature -> (the entry's key, what the call resolved to)
         self._resolved: dict[Hashable, tuple[Any, Hashable]] = {}
+        # Advances on clear(): what holders of an entry key it by.
+        self.generation = 0
 
     def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
         entry = self._entries.get(key)
@@ -83,6 +85,7 @@ class CompileCache:
         with self._lock:
             self._entries.clear()
             self._resolved.clear()
+            self.generation += 1
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -65,7 +65,8 @@ def test_bench_suites_smoke_json_and_plots(tmp_path):
     assert sorted(p.name for p in plots.glob("*.png")) == [
         "add_float32.png", "attention_float32.png", "attention_fwd_bwd_float32.png",
         "fill_float32.png", "iota_int32.png", "llama_generate_float32.png",
-        "llama_lengths_first_process_float32.png", "llama_train_step_float32.png",
+        "llama_lengths_first_process_float32.png", "llama_train_step_bfloat16.png",
+        "llama_train_step_float32.png",
         "matmul_float32.png",
         "matmul_gelu_float32.png",
     ]

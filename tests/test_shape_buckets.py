@@ -83,8 +83,8 @@ def test_batched_and_transposed_operands_padded_exactly(buckets):
 def test_a_weights_sizes_are_never_padded(buckets):
     """Layers whose weights share a size (K) but not the other (N) are not
     one changing size: a weight is never padded (that would copy it on every
-    call), while the token count, M forward and K in the weight's gradient,
-    is bucketed once it changes."""
+    call), nor is a weight's gradient's output, while the token count, M
+    forward and K in the weight's gradient, is bucketed once it changes."""
     from torch_pallas.ops import matmul as matmul_op
 
     matmul_op._PLANS.clear()
@@ -105,6 +105,9 @@ def test_a_weights_sizes_are_never_padded(buckets):
     forward = [(s, p) for s, p in sizes if (s[1], s[2]) in weight_dims]
     assert forward and all(p[1:] == s[1:] for s, p in forward)
     assert any(p[0] == 16 and s[0] == 13 for s, p in forward)  # the rows changed: bucketed
-    # weight gradient: (N, K) output, the contraction over the tokens bucketed
+    # weight gradient: the weight's (N, K) as its output, never padded (three
+    # widths in one family are not a changing size), the contraction over
+    # the tokens bucketed
     weight_grad = [(s, p) for s, p in sizes if (s[0], s[1]) in weight_dims]
+    assert len(weight_grad) >= 3 and all(p[:2] == s[:2] for s, p in weight_grad)
     assert any(s[2] == 13 and p[2] == 16 for s, p in weight_grad)

@@ -145,7 +145,8 @@ def test_matmul_16bit_on_onednn(dtype, layout):
     takes = tpu_matmul.onednn_takes_16bit(avals[0][1])
     assert tpu_matmul.cpu_library("interpret", avals, params) == ("onednn_16bit" if takes else None)
     if not takes:
-        pytest.skip(f"this CPU has no {tpu_matmul._CPU_FLAGS[avals[0][1]]} for oneDNN (hardware)")
+        pytest.skip(f"needs a CPU with {tpu_matmul._CPU_FLAGS[avals[0][1]]} (hardware) and a "
+                    "jaxlib with oneDNN")
     assert "__onednn_fusion" in _kernel_hlo(a3, b3, params)
 
 

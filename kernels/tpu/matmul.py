@@ -193,8 +193,8 @@ EIGEN_DOT = {"xla_cpu_experimental_ynn_fusion_type": ""}
 # matmul does (oneDNN too, the same errors). So the dot yields the output
 # dtype (MatmulConfig.dot_in_output_dtype) and the pass is off: 2-core Xeon
 # with AMX, bfloat16 2048^3 in 10.3 ms against YNNPACK's 15.0 and torch's
-# 9.6; X^T @ dY 2048^3 in 16.3 ms against 116 (torch 19.0); (64 x 512)^T @
-# (64 x 1376) 0.46 ms against 1.17 (torch 0.31). Below the limits YNNPACK
+# 9.6; X^T @ dY 2048^3 in 16.3 ms against 116 (torch 19.0); (512 x 64)^T @
+# (512 x 1376) 0.46 ms against 1.17 (torch 0.31). Below the limits YNNPACK
 # (or its float32 fallback) is faster: oneDNN costs ~0.3 ms more a call
 # ((8 x 512) @ (512 x 1376)^T: 0.67 ms against 0.27).
 ONEDNN_16BIT_DOT = {**ONEDNN_DOT, "xla_disable_hlo_passes": "float-normalization-bf16"}

@@ -142,11 +142,13 @@ def test_matmul_16bit_on_onednn(dtype, layout):
     b3, transpose_b = as_kernel_operand(b.reshape(1, k, n), a.shape[:-2])
     params = {"transpose_a": transpose_a, "transpose_b": transpose_b}
     avals = tuple((tuple(t.shape), str(dtype).removeprefix("torch.")) for t in (a3, b3))
-    takes = tpu_matmul.onednn_takes_16bit(avals[0][1])
-    assert tpu_matmul.cpu_library("interpret", avals, params) == ("onednn_16bit" if takes else None)
-    if not takes:
-        pytest.skip(f"needs a CPU with {tpu_matmul._CPU_FLAGS[avals[0][1]]} (hardware) and a "
-                    "jaxlib with oneDNN")
+    name = avals[0][1]
+    if not tpu_matmul.cpu_has_16bit_instructions(name):
+        assert tpu_matmul.cpu_library("interpret", avals, params) is None
+        pytest.skip(f"needs a CPU with {tpu_matmul._CPU_FLAGS[name]} (hardware)")
+    # With the instructions (Linux x86 jaxlib wheels carry oneDNN), XLA must take it.
+    assert tpu_matmul.onednn_takes_16bit(name)
+    assert tpu_matmul.cpu_library("interpret", avals, params) == "onednn_16bit"
     assert "__onednn_fusion" in _kernel_hlo(a3, b3, params)
 
 

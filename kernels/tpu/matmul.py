@@ -204,18 +204,26 @@ _CPU_FLAGS = {"bfloat16": "avx512_bf16", "float16": "avx512_fp16"}  # XLA's own 
 
 
 @functools.cache
+def cpu_has_16bit_instructions(dtype: str) -> bool:
+    """Whether this CPU has the instructions XLA requires before it gives
+    oneDNN a `dtype` dot (read from /proc/cpuinfo: Linux; elsewhere JAX's
+    CPU wheels have no oneDNN to ask)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return _CPU_FLAGS[dtype] in flags
+
+
+@functools.cache
 def onednn_takes_16bit(dtype: str) -> bool:
     """Whether this XLA hands a `dtype` dot to oneDNN on this CPU, asked of
     XLA itself (one small compile, once a process) where the CPU has the
     instructions: with the float-normalization pass off, a 16-bit dot that
     no library takes fails to compile."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f
-                          if line.startswith("flags")), [])
-    except OSError:  # not Linux: no oneDNN build in JAX's CPU wheels to ask
-        return False
-    if _CPU_FLAGS[dtype] not in flags:
+    if not cpu_has_16bit_instructions(dtype):
         return False
     cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
     x = jax.ShapeDtypeStruct((16, 16), jnp.dtype(dtype), sharding=cpu)

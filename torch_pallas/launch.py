@@ -207,9 +207,9 @@ def run(
     backend, kernel, key = compiled_kernel(op, device, inputs, params, user_function)
     if backend.family == "triton":
         return kernel(*inputs)
-    arrays = [bridge.to_kernel_argument(t) for t in inputs]
     if not backend.simulated:
-        return _to_torch(kernel(*arrays))
+        return _run_compiled(kernel, *inputs)
+    arrays = [bridge.to_kernel_argument(t) for t in inputs]
     _, _, _, avals, _, detect_races = key[:6]
     out = simulators.run(
         backend, kernel, arrays, detect_races=detect_races,
@@ -232,10 +232,7 @@ def bound(op: str, device: torch.device, inputs: tuple[torch.Tensor, ...],
     if backend.family == "triton" or backend.simulated:
         return None
 
-    def call(*tensors):
-        return _to_torch(kernel(*[bridge.to_kernel_argument(t) for t in tensors]))
-
-    return call
+    return functools.partial(_run_compiled, kernel)
 
 
 def binding_state() -> tuple:
@@ -243,6 +240,12 @@ def binding_state() -> tuple:
     parameters: the requested backend, race detection, and the compile
     cache's generation (cleared: rebuilt)."""
     return backends.requested(), simulators.detecting_races(), compile_cache.compiled.generation
+
+
+def _run_compiled(kernel, *tensors):
+    """A compiled JAX kernel run on torch tensors (shared, not copied), its
+    result handed back to torch."""
+    return _to_torch(kernel(*[bridge.to_kernel_argument(t) for t in tensors]))
 
 
 def _to_torch(out):

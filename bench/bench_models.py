@@ -4,9 +4,19 @@ pass over a batch of changing lengths (every new length builds kernels:
 torch_pallas.shape_buckets bounds how many) and `generate` with the KV
 cache. Throughput in tokens/s and the ratio to torch.
 
+The two models are timed side by side, round by round: each round of the
+converted model follows one round of the unconverted one, timed too (the
+`Partner` below), so that both see the same machine. The converted model's
+`ratio_to_torch` is its median over the partner's median from those
+alternating rounds; the torch provider's own row times the unconverted model
+alone, as every suite's torch row does (its ratio to the converted model's
+is `ratio_to_torch_separate`, which moves with the load between the two
+tests on a shared machine).
+
 CPU: vocabulary 4096, hidden 512, 2 layers, 8 heads (4 key/value heads),
 intermediate 1376; training batch 4 x 256 tokens, in float32 and with the
-models in bfloat16; the changing lengths
+models in bfloat16, and in float32 at hidden 1024 (16 heads, 8 key/value
+heads, intermediate 2752); the changing lengths
 are 100, 110, ..., 190 tokens at batch 4, each compile cache cleared
 before a round: a fresh process's first pass, in-process, with an empty
 disk cache (the first process) or one an earlier pass filled (the next
@@ -21,6 +31,8 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -36,25 +48,61 @@ from torch_pallas.nn import replace_linear
 if SMOKE:
     CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1)
+    WIDE = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
     TRAIN, LENGTHS, BATCH, PROMPT, NEW_TOKENS = (1, 8), (5, 7), 1, 4, 2
+    ROUNDS = {"step": 1, "lengths": 1, "generate": 1}
 else:
     CONFIG = dict(vocab_size=4096, hidden_size=512, intermediate_size=1376, num_hidden_layers=2,
                   num_attention_heads=8, num_key_value_heads=4)
+    WIDE = dict(hidden_size=1024, intermediate_size=2752, num_attention_heads=16,
+                num_key_value_heads=8)
     TRAIN, LENGTHS, BATCH, PROMPT, NEW_TOKENS = (4, 256), tuple(range(100, 200, 10)), 4, 16, 32
+    ROUNDS = {"step": 7, "lengths": 3, "generate": 7}
 
 BACKEND = backends.default_for(DEVICE).name  # what the converted model's matmuls run on
 PROVIDERS = ("torch", f"pallas[{BACKEND}]")  # the unconverted model, the converted one
 
 
-def build_models():
+def build_models(**overrides):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**CONFIG, max_position_embeddings=512,
+    config = transformers.LlamaConfig(**{**CONFIG, **overrides}, max_position_embeddings=512,
                                       attn_implementation="sdpa")
     model = transformers.LlamaForCausalLM(config).to(DEVICE)
     return {"torch": model, PROVIDERS[1]: replace_linear(copy.deepcopy(model))}
 
 
 MODELS = build_models()
+
+
+class Partner:
+    """The unconverted model's call, run and timed before each round of the
+    converted one (a `benchmark.pedantic` setup): the two alternate, so a
+    change in the machine's load moves both."""
+
+    def __init__(self, call, then=None):
+        self.call, self.then, self.times = call, then, []
+
+    def __call__(self):
+        start = time.perf_counter()
+        self.call()
+        self.times.append(time.perf_counter() - start)
+        if self.then is not None:
+            self.then()
+
+
+def timed(benchmark, provider, function, *, rounds, partner_call, setup=None):
+    """`function()` timed by pytest-benchmark over `rounds` rounds after a
+    warm-up (`setup` before each): for the converted model, each round
+    after one timed round of `partner_call()`, the unconverted model's."""
+    if provider == "torch":
+        return benchmark.pedantic(function, setup=setup, rounds=rounds, iterations=1,
+                                  warmup_rounds=0 if setup else 1)
+    partner = Partner(partner_call, then=setup)
+    if setup is None:  # warm both (a round with a setup starts afresh anyway)
+        partner_call(), function()
+    result = benchmark.pedantic(function, setup=partner, rounds=rounds, iterations=1)
+    benchmark.extra_info["torch_median_interleaved"] = statistics.median(partner.times)
+    return result
 
 
 class Provider:  # what conftest.record reads
@@ -72,8 +120,11 @@ def train_step(model, ids):
 
 
 @functools.cache
-def models_in(dtype: torch.dtype) -> dict:
-    """The two models with their parameters in `dtype` (copies, made once)."""
+def models_in(dtype: torch.dtype, wide: bool = False) -> dict:
+    """The two models with their parameters in `dtype`, at hidden 512 (or
+    WIDE's sizes): made once."""
+    if wide:
+        return {name: model.to(dtype) for name, model in build_models(**WIDE).items()}
     if dtype == torch.float32:
         return MODELS
     return {name: copy.deepcopy(model).to(dtype) for name, model in MODELS.items()}
@@ -82,21 +133,26 @@ def models_in(dtype: torch.dtype) -> dict:
 # bfloat16: the 16-bit GEMMs (on CPU, oneDNN's through XLA; kernels/tpu/matmul.py).
 # Its loss is compared within bfloat16's rounding of the two models' sums.
 STEP_DTYPES = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+# (dtype, wide): the float32 step at both widths, the bfloat16 one at hidden 512.
+STEPS = [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)]
 
 
-@pytest.mark.parametrize("dtype", STEP_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(("dtype", "wide"), STEPS, ids=lambda v: (
+    str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else ("wide" if v else "h")))
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_training_step(benchmark, provider, dtype):
-    models = models_in(dtype)
+def test_training_step(benchmark, provider, dtype, wide):
+    models = models_in(dtype, wide)
+    hidden = (WIDE if wide else CONFIG)["hidden_size"]
     ids = torch.randint(0, CONFIG["vocab_size"], TRAIN, device=DEVICE)
-    benchmark.group = f"llama train step {TRAIN[0]}x{TRAIN[1]}" + (
+    benchmark.group = f"llama train step {TRAIN[0]}x{TRAIN[1]} h={hidden}" + (
         "" if dtype == torch.float32 else f" {str(dtype).removeprefix('torch.')}")
-    loss = benchmark(train_step, models[provider], ids)
+    loss = timed(benchmark, provider, lambda: train_step(models[provider], ids),
+                 rounds=ROUNDS["step"], partner_call=lambda: train_step(models["torch"], ids))
     expected = train_step(models["torch"], ids)
     tolerance = STEP_DTYPES[dtype]
     torch.testing.assert_close(loss, expected, rtol=tolerance, atol=tolerance)
     record(benchmark, Provider(provider), op="llama_train_step", dtype=dtype,
-           shape=TRAIN, work=TRAIN[0] * TRAIN[1], unit="tokens/s")
+           shape=(*TRAIN, hidden), work=TRAIN[0] * TRAIN[1], unit="tokens/s")
 
 
 def first_pass_of_lengths(model):
@@ -129,7 +185,7 @@ def test_changing_lengths_first_pass(benchmark, provider, process, tmp_path, mon
     on disk)."""
     monkeypatch.setenv(disk_cache.ENV_VAR, str(tmp_path))
     model = MODELS[provider]
-    rounds = 1 if SMOKE else 3
+    rounds = ROUNDS["lengths"]
     if process == "first":
         disks = iter([tmp_path / f"empty{i}" for i in range(rounds + 1)])
         setup = lambda: fresh_process(next(disks))()  # noqa: E731
@@ -138,8 +194,8 @@ def test_changing_lengths_first_pass(benchmark, provider, process, tmp_path, mon
         first_pass_of_lengths(model)  # an earlier process fills the disk cache
         setup = fresh_process(tmp_path / "warm")
     benchmark.group = f"llama {process} process, lengths {LENGTHS[0]}..{LENGTHS[-1]} x{BATCH}"
-    losses = benchmark.pedantic(first_pass_of_lengths, args=(model,), setup=setup,
-                                rounds=rounds, iterations=1)
+    losses = timed(benchmark, provider, lambda: first_pass_of_lengths(model), rounds=rounds,
+                   partner_call=lambda: first_pass_of_lengths(MODELS["torch"]), setup=setup)
     torch.testing.assert_close(losses, first_pass_of_lengths(MODELS["torch"]),
                                rtol=1e-4, atol=1e-4)
     record(benchmark, Provider(provider), op=f"llama_lengths_{process}_process",
@@ -153,13 +209,14 @@ def test_generate_with_kv_cache(benchmark, provider):
     prompt = torch.randint(0, CONFIG["vocab_size"], (1, PROMPT),
                            generator=torch.Generator().manual_seed(1)).to(DEVICE)
 
-    def generate():
+    def generate(model=model):
         with torch.no_grad():
             return model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                   do_sample=False, use_cache=True, pad_token_id=0)
 
     benchmark.group = f"llama generate {NEW_TOKENS} tokens"
-    tokens = benchmark(generate)
+    tokens = timed(benchmark, provider, generate, rounds=ROUNDS["generate"],
+                   partner_call=lambda: generate(MODELS["torch"]))
     assert tokens.shape == (1, PROMPT + NEW_TOKENS)
     record(benchmark, Provider(provider), op="llama_generate", dtype=torch.float32,
            shape=(1, NEW_TOKENS), work=NEW_TOKENS, unit="tokens/s")

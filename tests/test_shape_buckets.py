@@ -21,18 +21,22 @@ def buckets():
     shape_buckets.enabled = True
 
 
-def test_bucket_sizes_two_per_octave():
+def test_bucket_sizes_three_per_octave():
     assert [shape_buckets.bucket(n) for n in (1, 8, 9, 12, 13, 16, 17, 25, 100, 129, 193, 700)] \
-        == [1, 8, 12, 12, 16, 16, 24, 32, 128, 192, 256, 768]
+        == [1, 8, 10, 12, 16, 16, 20, 32, 128, 160, 256, 768]
+    octaves = {}
     for n in range(1, 5000):
         b = shape_buckets.bucket(n)
-        assert n <= b <= max(n, 1.5 * n)
+        assert n <= b < max(n + 1, 4 / 3 * n)  # at most a third more work
+        assert shape_buckets.bucket(b) == b  # a bucket is its own bucket
+        octaves.setdefault((b - 1).bit_length(), set()).add(b)
+    assert all(len(sizes) <= 3 for octave, sizes in octaves.items() if octave > 3)
 
 
 def test_one_size_is_never_padded_a_second_one_starts_buckets(buckets):
     family = ("test", 1)
     assert [buckets.size(family, n) for n in (100, 100, 100)] == [100, 100, 100]
-    assert [buckets.size(family, n) for n in (110, 100, 130)] == [128, 128, 192]
+    assert [buckets.size(family, n) for n in (110, 100, 130)] == [128, 128, 160]
     buckets.enabled = False
     assert buckets.size(("test", 2), 37) == buckets.size(("test", 2), 41) - 4 == 37
 

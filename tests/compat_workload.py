@@ -20,6 +20,7 @@ SERVES = {  # the parts each probe's private path serves
     "autocast_kernel": {"autocast"},
     "tracing_types": {"compile"},
     "symint_hint": {"custom_op"},
+    "eager_direct": {"ops", "autograd", "autocast"},
 }
 parts = set().union(*SERVES.values()) if public == "all" else SERVES[public]
 

@@ -91,6 +91,27 @@ def to_kernel_argument(tensor: torch.Tensor):
     return tensor.numpy()
 
 
+def kernel_argument_maker(dtype: torch.dtype):
+    """`to_kernel_argument` for CPU tensors of `dtype`, its dtype's
+    decisions taken once: what a caller that launches one kernel many times
+    (launch.bound) converts each call's tensors with."""
+    if dtype in NARROWED_BY_JAX:  # depends on JAX's 64-bit mode at each call
+        return to_kernel_argument
+    bit_view = _BIT_VIEWS.get(dtype)
+    ml_dtype = None if bit_view is None else _ml_dtype(bit_view[1])
+
+    def make(tensor: torch.Tensor):
+        if tensor.requires_grad:
+            tensor = tensor.detach()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        if ml_dtype is None:
+            return tensor.numpy()
+        return tensor.view(bit_view[0]).numpy().view(ml_dtype)
+
+    return make
+
+
 # dtype -> (an integer dtype of its width, ml_dtypes' name of the type).
 _BIT_VIEWS = {
     torch.bfloat16: (torch.int16, "bfloat16"),
@@ -189,6 +210,13 @@ def to_torch(array) -> torch.Tensor:
     return _exporter()(array)
 
 
+def cpu_to_torch():
+    """`to_torch` for arrays known to be on a CPU (a CPU kernel's results),
+    without the per-call check of their device."""
+    exporter = _exporter()
+    return _cpu_array_to_torch if exporter is _to_torch_direct else exporter
+
+
 def _to_torch_public(array) -> torch.Tensor:
     return torch.from_dlpack(array)
 
@@ -200,6 +228,10 @@ def _to_torch_direct(array) -> torch.Tensor:
     (device,) = array.devices()
     if device.platform != "cpu":  # CUDA: the protocol orders the streams
         return torch.from_dlpack(array)
+    return _cpu_array_to_torch(array)
+
+
+def _cpu_array_to_torch(array) -> torch.Tensor:
     # The array itself, not its addressable_data(0), whose first call on a
     # fresh array costs more than the rest of the export.
     capsule = jax_env.buffer_to_dlpack()(array, stream=None)

@@ -231,8 +231,20 @@ def bound(op: str, device: torch.device, inputs: tuple[torch.Tensor, ...],
     backend, kernel, _ = compiled_kernel(op, device, inputs, params)
     if backend.family == "triton" or backend.simulated:
         return None
+    if device.type != "cpu":
+        return functools.partial(_run_compiled, kernel)
+    # What _run_compiled does, with each input's conversion chosen for its
+    # dtype and the result's device known.
+    makers = tuple(bridge.kernel_argument_maker(t.dtype) for t in inputs)
+    export = bridge.cpu_to_torch()
 
-    return functools.partial(_run_compiled, kernel)
+    def call(*tensors):
+        out = kernel(*[make(t) for make, t in zip(makers, tensors)])
+        if isinstance(out, (tuple, list)):
+            return tuple(export(a) for a in out)
+        return export(out)
+
+    return call
 
 
 def binding_state() -> tuple:

@@ -25,6 +25,10 @@ probe                private path                       public fallback
                      torch.compile path on CUDA)
 ``symint_hint``      ``SymInt.node.hint``: a symbolic   ``int(size)``: the size is
                      size's example value               specialised (the graph is guarded)
+``eager_direct``     tensors' dispatch key sets, mode   none: every call goes through the
+                     stacks, functorch, tracer and      dispatcher
+                     profiler state: a plain eager
+                     call runs the op's kernel straight
 ===================  =================================  ====================================
 
 `TORCH_PALLAS_PUBLIC_API` (probe names, comma-separated, or ``all``), set
@@ -42,7 +46,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd import forward_ad
 
-PROBES = ("disable_dynamo", "autograd_kernel", "autocast_kernel", "tracing_types", "symint_hint")
+PROBES = ("disable_dynamo", "autograd_kernel", "autocast_kernel", "tracing_types", "symint_hint",
+          "eager_direct")
 ENV_VAR = "TORCH_PALLAS_PUBLIC_API"
 
 
@@ -74,7 +79,8 @@ def available() -> dict[str, bool]:
             "autograd_kernel": DISPATCH is not None,
             "autocast_kernel": AUTOCAST is not None,
             "tracing_types": _TRACING_TYPES is not None,
-            "symint_hint": _SYMINT_HAS_NODE is not None}
+            "symint_hint": _SYMINT_HAS_NODE is not None,
+            "eager_direct": EAGER is not None}
 
 
 # --- disable_dynamo ---------------------------------------------------------
@@ -182,3 +188,40 @@ def size_hint(size) -> int:
         if hint is not None:
             return int(hint)
     return int(size)
+
+
+# --- eager_direct -----------------------------------------------------------
+
+class Eager(NamedTuple):
+    """What tells a plain eager call, one the dispatcher would hand straight
+    to an op's own kernel (registration.direct_caller)."""
+
+    plain_cpu_key_set: int  # raw key set of a plain strided CPU tensor
+    key_set: Callable[[torch.Tensor], int]  # a tensor's key set, raw
+    unintercepted: Callable[[], bool]  # nothing sits between a call and the dispatcher's kernel
+    below_views: Callable[[], Any]  # AutoDispatchBelowADInplaceOrView guard
+    has_cpu_kernel: Callable[[str], bool]  # op name: a kernel registered for the CPU key itself
+
+
+def _eager() -> Eager:
+    C = torch._C
+    plain = C._dispatch_keys(torch.empty(0, device="cpu")).raw_repr()
+    function_modes, dispatch_modes = C._is_torch_function_mode_enabled, C._len_torch_dispatch_stack
+    transforms, autocast = C._are_functorch_transforms_active, C._is_any_autocast_enabled
+    tracer, profiler = C._get_tracing_state, C._autograd._profiler_enabled
+    forward_ad._current_level  # noqa: B018 (probed)
+
+    def unintercepted() -> bool:
+        """No TorchFunctionMode or TorchDispatchMode (FakeTensorMode,
+        FlopCounterMode, a default device...), functorch transform, autocast,
+        JIT trace, profiler or forward-AD level."""
+        return not (function_modes() or dispatch_modes() or transforms() or autocast()
+                    or tracer() is not None or profiler() or forward_ad._current_level >= 0)
+
+    return Eager(plain_cpu_key_set=plain, key_set=lambda t: C._dispatch_keys(t).raw_repr(),
+                 unintercepted=unintercepted, below_views=C._AutoDispatchBelowADInplaceOrView,
+                 has_cpu_kernel=lambda name: C._dispatch_has_kernel_for_dispatch_key(
+                     name, C.DispatchKey.CPU))
+
+
+EAGER: Eager | None = _probe("eager_direct", _eager)

@@ -1,0 +1,169 @@
+"""registration.direct_caller: the Python functions (torch_pallas.matmul,
+torch_pallas.linear and the converted layers) run the op's kernel straight
+on a plain eager call that needs no gradient, and hand every other call to
+torch.ops, so that modes, transforms, autocast, tracers, profilers and
+autograd see and decide it as they would the op itself. Each case runs on
+fresh random ragged data against float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_pallas
+from torch_pallas import registration, torch_compat
+from torch_pallas.ops import matmul as matmul_op
+
+OP = torch.ops.pallas.matmul.default
+
+pytestmark = pytest.mark.skipif(torch_compat.EAGER is None,
+                                reason="this torch lacks the eager_direct internals")
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """A direct caller of matmul whose short cut counts its calls."""
+    calls = []
+    kernel = registration._kernels[OP.name()]
+
+    def counting(*args):
+        calls.append(args)
+        return kernel(*args)
+
+    monkeypatch.setitem(registration._kernels, OP.name(), counting)
+    return registration.direct_caller(OP), calls
+
+
+def _operands(requires_grad=False):
+    a = torch.randn(3, 7, 37, requires_grad=requires_grad)
+    w = torch.nn.Parameter(torch.randn(29, 37), requires_grad=requires_grad)
+    return a, w.t()
+
+
+def _close(got, a, b, rtol=1e-5):
+    want = a.detach().double() @ b.detach().double()
+    scale = a.detach().double().abs() @ b.detach().double().abs() + 1
+    assert got.shape == want.shape and ((got.double() - want).abs() <= rtol * scale).all()
+
+
+@pytest.mark.parametrize("no_grad", [True, False], ids=["no_grad", "inputs_without_grad"])
+def test_a_plain_call_without_gradients_takes_the_short_cut(counted, no_grad):
+    call, calls = counted
+    a, b = _operands(requires_grad=not no_grad)
+    with torch.no_grad() if no_grad else torch.enable_grad():
+        if not no_grad:
+            a, b = a.detach(), b.detach()
+        out = call(a, b)
+    assert len(calls) == 1
+    assert out._base is None  # a fresh output, as the op's own (below views)
+    _close(out, a, b)
+
+
+def test_a_call_needing_a_gradient_goes_through_autograd(counted):
+    call, calls = counted
+    a, b = _operands(requires_grad=True)
+    out = call(a, b)
+    assert calls == [] and out.grad_fn is not None
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref_a = a.detach().double().requires_grad_()
+    (ref_a @ b.detach().double()).backward(grad.double())
+    torch.testing.assert_close(a.grad, ref_a.grad.float(), rtol=1e-4, atol=1e-4)
+
+
+class Recording(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _intercepted():
+    """Contexts under which a call must reach the dispatcher: (name, context
+    factory, what the call's result is checked for besides its values)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    yield "dispatch_mode", Recording, lambda ctx, out: OP in ctx.calls
+    yield "flop_counter", lambda: FlopCounterMode(display=False), \
+        lambda ctx, out: ctx.get_total_flops() == 2 * 3 * 7 * 29 * 37
+    yield "autocast", lambda: torch.autocast("cpu", dtype=torch.bfloat16), \
+        lambda ctx, out: out.dtype == torch.bfloat16
+    yield "default_device", lambda: torch.device("cpu"), lambda ctx, out: True
+    yield "profiler", lambda: torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]), \
+        lambda ctx, out: any(e.name == "pallas::matmul" for e in ctx.events())
+
+
+INTERCEPTED = {name: (make, check) for name, make, check in _intercepted()}
+
+
+@pytest.mark.parametrize("name", INTERCEPTED)
+def test_an_intercepted_call_reaches_the_dispatcher(counted, name):
+    call, calls = counted
+    make, check = INTERCEPTED[name]
+    a, b = _operands()
+    with torch.no_grad(), make() as ctx:
+        out = call(a, b)
+    assert calls == [] and check(ctx, out)
+    if out.dtype == torch.float32:
+        _close(out, a, b)
+    else:  # autocast: the bfloat16-rounded operands' product, rounded to bfloat16
+        _close(out.float(), a.bfloat16().float(), b.bfloat16().float(), rtol=2.0**-8)
+
+
+def test_vmap_forward_ad_and_jit_trace_reach_the_dispatcher(counted):
+    call, calls = counted
+    a, b = _operands()
+    with torch.no_grad():
+        batched = torch.vmap(call, in_dims=(0, None))(a, b)
+    _close(batched, a, b)
+    with torch.autograd.forward_ad.dual_level():
+        tangent = torch.randn_like(a)
+        dual = call(torch.autograd.forward_ad.make_dual(a, tangent), b)
+        got = torch.autograd.forward_ad.unpack_dual(dual).tangent
+    _close(got, tangent, b)
+    with torch.no_grad():
+        traced = torch.jit.trace(lambda x, y: call(x, y), (a, b), check_trace=False)
+        assert "pallas::matmul" in str(traced.graph)
+    assert calls == []
+
+
+def test_tensors_that_are_not_plain_reach_the_dispatcher(counted):
+    """A subclass keeps its own handling; a meta tensor gets the op's fake
+    function; neither is handed to the kernel."""
+    call, calls = counted
+
+    class Tagged(torch.Tensor):
+        pass
+
+    a, b = _operands()
+    with torch.no_grad():
+        out = call(a.as_subclass(Tagged), b)
+        assert type(out) is Tagged  # torch.ops' __torch_function__ default keeps the subclass
+        _close(out.as_subclass(torch.Tensor), a, b)
+        meta = call(a.to("meta"), b.to("meta"))
+        assert meta.device.type == "meta" and meta.shape == (3, 7, 29)
+    assert calls == []
+
+
+def test_the_public_functions_and_converted_layers_use_the_short_cut(monkeypatch):
+    calls = []
+    call = matmul_op.call
+
+    def counting(*args):
+        calls.append(args)
+        return call(*args)
+
+    monkeypatch.setattr(matmul_op, "call", counting)
+    monkeypatch.setattr(torch_pallas.functional, "_matmul", counting)
+    layer = torch_pallas.nn.replace_linear(torch.nn.Sequential(torch.nn.Linear(37, 29)))
+    x = torch.randn(5, 37)
+    with torch.no_grad():
+        _close(torch_pallas.matmul(x, layer[0].weight.t()), x, layer[0].weight.t())
+        out = layer(x)
+    want = x.double() @ layer[0].weight.detach().double().t() + layer[0].bias.detach().double()
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2

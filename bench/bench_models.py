@@ -57,7 +57,7 @@ else:
     WIDE = dict(hidden_size=1024, intermediate_size=2752, num_attention_heads=16,
                 num_key_value_heads=8)
     TRAIN, LENGTHS, BATCH, PROMPT, NEW_TOKENS = (4, 256), tuple(range(100, 200, 10)), 4, 16, 32
-    ROUNDS = {"step": 7, "lengths": 3, "generate": 7}
+    ROUNDS = {"step": 7, "lengths": 5, "generate": 9}
 
 BACKEND = backends.default_for(DEVICE).name  # what the converted model's matmuls run on
 PROVIDERS = ("torch", f"pallas[{BACKEND}]")  # the unconverted model, the converted one

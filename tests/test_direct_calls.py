@@ -60,6 +60,17 @@ def test_a_plain_call_without_gradients_takes_the_short_cut(counted, no_grad):
     _close(out, a, b)
 
 
+def test_inference_mode_takes_the_short_cut_on_inference_tensors(counted):
+    call, calls = counted
+    a, b = _operands()
+    with torch.inference_mode():
+        x = a * 1  # an inference tensor
+        out = call(x, b)
+        assert out.is_inference()
+    assert len(calls) == 1
+    _close(out, a, b)
+
+
 def test_a_call_needing_a_gradient_goes_through_autograd(counted):
     call, calls = counted
     a, b = _operands(requires_grad=True)

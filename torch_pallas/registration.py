@@ -86,34 +86,36 @@ _kernels: dict[str, Callable] = {}  # op name -> its kernel for every device
 
 def direct_caller(op) -> Callable:
     """A function calling `op` (a `define`d op's OpOverload) on positional
-    tensors as `op(*args)` does, which runs the op's kernel straight when
-    the dispatcher would hand the call nowhere else: a plain eager call on
-    CPU tensors (their type torch.Tensor or nn.Parameter, strided, no
-    conjugate or other extra dispatch keys) that needs no gradient, with
-    nothing intercepting it (no Dynamo trace, and torch_compat.EAGER.unintercepted:
-    no mode, functorch transform, autocast, JIT trace, profiler or
-    forward-AD level) and no kernel registered for the CPU itself. It saves
-    the dispatcher's boxing and the op's Autograd kernel, ~20 us of a small
-    call on the 2-core CPU: a decode step calls a model's linear layers
-    hundreds of times. Every other call goes through `op`. Without torch's
-    internals (torch_compat's eager_direct probe), `op` itself."""
+    tensors as `op(*args)` does, which runs the op's kernel straight where
+    the dispatcher would hand the call nowhere else: a plain eager call
+    needing no gradient, on CPU tensors (of type torch.Tensor or
+    nn.Parameter, strided, with no conjugate or other extra dispatch key;
+    inference tensors too), with nothing intercepting it (no Dynamo trace,
+    and torch_compat.EAGER.unintercepted: no mode, functorch transform,
+    autocast, JIT trace, profiler or forward-AD level) and no kernel
+    registered for the CPU key itself. Every other call goes through `op`;
+    without torch's internals (torch_compat's eager_direct probe) this is
+    `op` itself.
+
+    It skips the dispatcher's boxing and the op's Autograd kernel: 8-10 us
+    of a small call on the 2-core CPU (the checks cost ~2), which a decode
+    step pays once per linear layer."""
     eager = torch_compat.EAGER
     name = op.name()
     if eager is None or name not in _kernels:
         return op
     kernel = _kernels[name]
-    plain, key_set = eager.plain_cpu_key_set, eager.key_set
+    plain, key_set = eager.plain_cpu_key_sets, eager.key_set
     unintercepted, below_views, has_cpu_kernel = (eager.unintercepted, eager.below_views,
                                                   eager.has_cpu_kernel)
     plain_types = (torch.Tensor, torch.nn.Parameter)
-
     compiling = torch.compiler.is_compiling
 
     def call(*args):
         if compiling():  # first: what Dynamo traces is this branch alone
             return op(*args)
         for a in args:
-            if type(a) not in plain_types or key_set(a) != plain:
+            if type(a) not in plain_types or key_set(a) not in plain:
                 return op(*args)
         if ((torch.is_grad_enabled() and any(a.requires_grad for a in args))
                 or not unintercepted() or has_cpu_kernel(name)):

@@ -196,7 +196,7 @@ class Eager(NamedTuple):
     """What tells a plain eager call, one the dispatcher would hand straight
     to an op's own kernel (registration.direct_caller)."""
 
-    plain_cpu_key_set: int  # raw key set of a plain strided CPU tensor
+    plain_cpu_key_sets: frozenset  # raw key sets of a plain strided CPU tensor (and an inference one)
     key_set: Callable[[torch.Tensor], int]  # a tensor's key set, raw
     unintercepted: Callable[[], bool]  # nothing sits between a call and the dispatcher's kernel
     below_views: Callable[[], Any]  # AutoDispatchBelowADInplaceOrView guard
@@ -205,7 +205,9 @@ class Eager(NamedTuple):
 
 def _eager() -> Eager:
     C = torch._C
-    plain = C._dispatch_keys(torch.empty(0, device="cpu")).raw_repr()
+    with torch.inference_mode():
+        inference = torch.empty(0, device="cpu")
+    plain = frozenset(C._dispatch_keys(t).raw_repr() for t in (torch.empty(0, device="cpu"), inference))
     function_modes, dispatch_modes = C._is_torch_function_mode_enabled, C._len_torch_dispatch_stack
     transforms, autocast = C._are_functorch_transforms_active, C._is_any_autocast_enabled
     tracer, profiler = C._get_tracing_state, C._autograd._profiler_enabled
@@ -218,7 +220,7 @@ def _eager() -> Eager:
         return not (function_modes() or dispatch_modes() or transforms() or autocast()
                     or tracer() is not None or profiler() or forward_ad._current_level >= 0)
 
-    return Eager(plain_cpu_key_set=plain, key_set=lambda t: C._dispatch_keys(t).raw_repr(),
+    return Eager(plain_cpu_key_sets=plain, key_set=lambda t: C._dispatch_keys(t).raw_repr(),
                  unintercepted=unintercepted, below_views=C._AutoDispatchBelowADInplaceOrView,
                  has_cpu_kernel=lambda name: C._dispatch_has_kernel_for_dispatch_key(
                      name, C.DispatchKey.CPU))

@@ -33,3 +33,42 @@ def test_compile_wrappers_and_backward():
     loss(a, b).backward()
     torch.testing.assert_close(a.grad, torch.ones(6, 5) @ b.detach().t())
     torch.testing.assert_close(b.grad, a.detach().t() @ torch.ones(6, 5))
+
+
+def test_an_eager_call_under_dynamo_runs_the_kernel_untraced():
+    """A frame Dynamo runs eagerly while it traces the frames below it (a
+    `torch.compiler.disable(recursive=False)` function) calls the op: the
+    kernel's Python (JAX code) is never traced, so Dynamo compiles the same
+    frames as for torch.matmul in its place."""
+    from torch._dynamo.testing import CompileCounter
+
+    def frames_compiled(matmul):
+        @torch.compiler.disable(recursive=False)
+        def eager(x, w):
+            return matmul(x, w)
+
+        counter = CompileCounter()
+        torch._dynamo.reset()
+        x, w = torch.randn(5, 7), torch.randn(7, 3)
+        out = torch.compile(lambda x, w: eager(x, w).relu(), backend=counter)(x, w)
+        torch.testing.assert_close(out, (x @ w).relu(), rtol=1e-5, atol=1e-5)
+        return counter.frame_count
+
+    assert frames_compiled(torch.ops.pallas.matmul) == frames_compiled(torch.matmul)
+
+
+def test_op_calls_leave_dynamo_unimported():
+    """Until something imports Dynamo no compiled region exists: the ops'
+    guard against it costs nothing (it imported Dynamo, ~1.4 s, at a
+    process's first op call)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, torch_pallas\n"
+            "a = torch.randn(9, 13)\n"
+            "torch.testing.assert_close(torch_pallas.matmul(a, a.t()), a @ a.t(), rtol=1e-5, atol=1e-5)\n"
+            "torch.testing.assert_close(torch_pallas.add(a, a), a + a)\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"

@@ -10,9 +10,9 @@ place:
 ===================  =================================  ====================================
 probe                private path                       public fallback
 ===================  =================================  ====================================
-``disable_dynamo``   ``torch._disable_dynamo``: keeps   ``torch.compiler.disable`` (imports
-                     Dynamo out of the kernels without  Dynamo with torch_pallas, ~1 s)
-                     importing it
+``disable_dynamo``   ``torch._disable_dynamo``: keeps   ``torch.compiler.disable``
+                     Dynamo out of the kernels (once
+                     something has imported Dynamo)
 ``autograd_kernel``  the op's own Autograd kernel      ``torch.library.register_autograd``
                      (dispatch key sets, below-views    (every call goes through autograd's
                      guard, forward-AD level): calls    wrapper; no forward-mode AD)
@@ -39,7 +39,9 @@ problem on a private path can step around it.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -90,10 +92,22 @@ _DISABLE_DYNAMO = _probe("disable_dynamo", lambda: torch._disable_dynamo)
 
 def disable_dynamo(fn: Callable) -> Callable:
     """`fn`, which Dynamo must not trace (it is JAX code), called eagerly
-    when a compiled region reaches it."""
-    if _DISABLE_DYNAMO is not None:
-        return _DISABLE_DYNAMO(fn)
-    return torch.compiler.disable(fn)
+    when a compiled region reaches it. Until something imports Dynamo no
+    compiled region can exist, and `fn` runs as it is: the guard's first
+    call imports Dynamo (~1.4 s on the 2-core CPU, a process's first op
+    call paid it) and each call costs ~2 us."""
+    disabled = None
+
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = (_DISABLE_DYNAMO(fn) if _DISABLE_DYNAMO is not None
+                        else torch.compiler.disable(fn))
+        return disabled(*args, **kwargs)
+
+    return functools.wraps(fn)(call)
 
 
 # --- autograd_kernel --------------------------------------------------------

@@ -36,6 +36,11 @@ setup(
         # jax.experimental.pallas.mosaic_gpu imports absl, which jax does not
         # declare on CPU-only installs.
         "absl-py",
+        # JAX's dtypes. Version 0.7.0's import registers so many NumPy ufunc
+        # loops that NumPy's loop list (searched on each addition) takes 0.6 s
+        # (NumPy 2.4, 2-core CPU): `import jax` 1.12 s with it, 0.53 s with
+        # 0.6.0, and every process's first op call waits for that import.
+        "ml_dtypes>=0.5,!=0.7.0",
     ],
     extras_require={
         # The `triton` backend on CPU (TRITON_INTERPRET=1); CUDA builds of

@@ -56,14 +56,28 @@ def same_device(op: str, x: torch.Tensor, y: torch.Tensor, names=("x", "y")) -> 
         )
 
 
+def require(condition, message) -> None:
+    """`torch._check(condition, message)`: RuntimeError with `message()`
+    unless `condition` holds. A plain bool (an eager call's sizes) is
+    answered here: torch._check's first call imports torch's symbolic-shapes
+    module and sympy (0.38 s on the 2-core CPU, in a process's first op
+    call); a SymBool (under torch.compile) goes to torch._check, which
+    records it without forcing it to a bool."""
+    if condition is True:
+        return
+    if condition is False:
+        raise RuntimeError(message())
+    torch._check(condition, message)
+
+
 def size(op: str, name: str, value) -> None:
     """A size: an int (or a SymInt under torch.compile) >= 0. A negative one
-    raises RuntimeError, as torch's factories do; torch._check, because
+    raises RuntimeError, as torch's factories do; through `require`, because
     comparing a SymInt must not force it to a Python bool (that would
     specialise a compiled graph on the size)."""
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{op}: {name} must be an int, got {value!r}")
-    torch._check(value >= 0, lambda: f"{op}: {name} must be >= 0, got {value}")
+    require(value >= 0, lambda: f"{op}: {name} must be >= 0, got {value}")
 
 
 def factory_device(op: str, device, *, fake: bool = False) -> torch.device:

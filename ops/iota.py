@@ -32,7 +32,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64
 
 def _check(n, dtype) -> torch.dtype:
     checks.size(OP, "n", n)
-    torch._check(
+    checks.require(
         n <= dtypes.INT32_MAX,
         lambda: f"{OP}: n={n} is too large; the kernel counts in int32 (n < 2**31)",
     )

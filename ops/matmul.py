@@ -49,7 +49,7 @@ def output_shape(a: torch.Tensor, b: torch.Tensor) -> tuple:
     checks.same_device(OP, a, b, names=("a", "b"))
     k_a = a.shape[-1]
     k_b = b.shape[-2] if b.dim() >= 2 else b.shape[0]
-    torch._check(
+    checks.require(
         k_a == k_b,
         lambda: f"{OP}: inner dimensions differ: a.shape={tuple(a.shape)}, "
         f"b.shape={tuple(b.shape)} (a.shape[-1] must equal "

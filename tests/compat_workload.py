@@ -15,7 +15,6 @@ public = sys.argv[1]
 assert not any(torch_compat.available()[p] for p in torch_compat.PROBES
                if public == "all" or p == public), torch_compat.available()
 SERVES = {  # the parts each probe's private path serves
-    "disable_dynamo": {"ops", "compile"},
     "autograd_kernel": {"ops", "autograd"},
     "autocast_kernel": {"autocast"},
     "tracing_types": {"compile"},

@@ -2,7 +2,7 @@
 
 torch_pallas uses a few private torch names where the public API costs
 more than a small kernel or lacks a feature; nothing else in the package
-touches `torch._C`, `torch._subclasses`, `torch._disable_dynamo` or the
+touches `torch._C`, `torch._subclasses` or the
 internals of autograd and SymInt. Each is probed once, when torch_pallas is
 imported, and where it is missing (another torch) the public path takes its
 place:
@@ -10,9 +10,6 @@ place:
 ===================  =================================  ====================================
 probe                private path                       public fallback
 ===================  =================================  ====================================
-``disable_dynamo``   ``torch._disable_dynamo``: keeps   ``torch.compiler.disable``
-                     Dynamo out of the kernels (once
-                     something has imported Dynamo)
 ``autograd_kernel``  the op's own Autograd kernel      ``torch.library.register_autograd``
                      (dispatch key sets, below-views    (every call goes through autograd's
                      guard, forward-AD level): calls    wrapper; no forward-mode AD)
@@ -39,17 +36,14 @@ problem on a private path can step around it.
 
 from __future__ import annotations
 
-import functools
 import os
-import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch.autograd import forward_ad
 
-PROBES = ("disable_dynamo", "autograd_kernel", "autocast_kernel", "tracing_types", "symint_hint",
-          "eager_direct")
+PROBES = ("autograd_kernel", "autocast_kernel", "tracing_types", "symint_hint", "eager_direct")
 ENV_VAR = "TORCH_PALLAS_PUBLIC_API"
 
 
@@ -77,37 +71,11 @@ def _probe(name: str, find: Callable[[], Any]) -> Any:
 
 def available() -> dict[str, bool]:
     """Which private paths this torch offers (and are in use)."""
-    return {"disable_dynamo": _DISABLE_DYNAMO is not None,
-            "autograd_kernel": DISPATCH is not None,
+    return {"autograd_kernel": DISPATCH is not None,
             "autocast_kernel": AUTOCAST is not None,
             "tracing_types": _TRACING_TYPES is not None,
             "symint_hint": _SYMINT_HAS_NODE is not None,
             "eager_direct": EAGER is not None}
-
-
-# --- disable_dynamo ---------------------------------------------------------
-
-_DISABLE_DYNAMO = _probe("disable_dynamo", lambda: torch._disable_dynamo)
-
-
-def disable_dynamo(fn: Callable) -> Callable:
-    """`fn`, which Dynamo must not trace (it is JAX code), called eagerly
-    when a compiled region reaches it. Until something imports Dynamo no
-    compiled region can exist, and `fn` runs as it is: the guard's first
-    call imports Dynamo (~1.4 s on the 2-core CPU, a process's first op
-    call paid it) and each call costs ~2 us."""
-    disabled = None
-
-    def call(*args, **kwargs):
-        nonlocal disabled
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if disabled is None:
-            disabled = (_DISABLE_DYNAMO(fn) if _DISABLE_DYNAMO is not None
-                        else torch.compiler.disable(fn))
-        return disabled(*args, **kwargs)
-
-    return functools.wraps(fn)(call)
 
 
 # --- autograd_kernel --------------------------------------------------------

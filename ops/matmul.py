@@ -275,9 +275,23 @@ def _zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         return t
     out = t.new_empty(batch, rows, cols)
     out[:, :r, :c] = t
-    out[:, r:, :].zero_()
-    out[:, :r, c:].zero_()
+    if out.device.type != "cpu":
+        out[:, r:, :].zero_()
+        out[:, :r, c:].zero_()
+        return out
+    # The padding zeroed through NumPy, on this thread: torch's fill would
+    # wake its OpenMP workers, which under OMP_WAIT_POLICY=PASSIVE costs more
+    # than the fill (a 600 -> 640-row pad of 1376 float32 columns after a
+    # torch op: median 314 -> 220 us, a clone of the input 188; 300
+    # interleaved rounds on the 2-core CPU). Zero bits are +0.0 in every
+    # float format.
+    bits = out.view(_SAME_WIDTH_INT[out.element_size()]).numpy()
+    bits[:, r:, :] = 0
+    bits[:, :r, c:] = 0
     return out
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def float32_precision() -> str:

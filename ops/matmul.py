@@ -236,6 +236,10 @@ def bucket_sizes(a3, b3, transpose_a: bool, transpose_b: bool, weights=(False, F
 
 # Set while the backward computes a weight's gradient (see bucket_sizes).
 _weight_gradient = contextvars.ContextVar("pallas_matmul_weight_gradient", default=False)
+# Set while one backward computes both gradients: the padded copies made in
+# it, by source and size, for its second product (_zero_padded). It lives
+# for that one backward call, in which no other code writes to the sources.
+_pads = contextvars.ContextVar("pallas_matmul_pads", default=None)
 
 
 def _is_weight(t: torch.Tensor) -> bool:
@@ -273,6 +277,19 @@ def _zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     batch, r, c = t.shape
     if (r, c) == (rows, cols):
         return t
+    pads = _pads.get()
+    if pads is not None and t.is_contiguous():  # inside a backward: dC padded for dA serves dB
+        # (contiguous: the shape fixes the layout but for size-1 dimensions' strides)
+        key = (t.data_ptr(), t.shape, t.dtype, t._version, rows, cols)
+        if key in pads:
+            return pads[key]
+        pads[key] = out = _new_zero_padded(t, rows, cols)
+        return out
+    return _new_zero_padded(t, rows, cols)
+
+
+def _new_zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    batch, r, c = t.shape
     out = t.new_empty(batch, rows, cols)
     out[:, :r, :c] = t
     if out.device.type != "cpu":
@@ -336,16 +353,23 @@ def _backward(ctx, grad):
     batch = torch.broadcast_shapes(a_mat[:-2], b_mat[:-2])
     grad = grad.reshape(*batch, a_mat[-2], b_mat[-1])
     grad_a = grad_b = None
-    if ctx.needs_input_grad[0]:
-        grad_a = torch.ops.pallas.matmul(grad, b.reshape(b_mat).mT)
-        grad_a = grad_a.sum_to_size(a_mat).reshape(a_shape)
-    if ctx.needs_input_grad[1]:
-        token = _weight_gradient.set(ctx.b_is_weight)
-        try:
-            grad_b = _grad_b(ctx, a.reshape(a_mat), grad, b_mat)
-        finally:
-            _weight_gradient.reset(token)
-        grad_b = grad_b.reshape(b_shape)
+    # Both products read dC; where both pad its rows to one bucket, the
+    # second reuses the first's copy (see _zero_padded).
+    pads = _pads.set({}) if all(ctx.needs_input_grad) else None
+    try:
+        if ctx.needs_input_grad[0]:
+            grad_a = torch.ops.pallas.matmul(grad, b.reshape(b_mat).mT)
+            grad_a = grad_a.sum_to_size(a_mat).reshape(a_shape)
+        if ctx.needs_input_grad[1]:
+            token = _weight_gradient.set(ctx.b_is_weight)
+            try:
+                grad_b = _grad_b(ctx, a.reshape(a_mat), grad, b_mat)
+            finally:
+                _weight_gradient.reset(token)
+            grad_b = grad_b.reshape(b_shape)
+    finally:
+        if pads is not None:
+            _pads.reset(pads)
     return grad_a, grad_b
 
 

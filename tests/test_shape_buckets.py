@@ -115,3 +115,33 @@ def test_a_weights_sizes_are_never_padded(buckets):
     weight_grad = [(s, p) for s, p in sizes if (s[0], s[1]) in weight_dims]
     assert len(weight_grad) >= 3 and all(p[:2] == s[:2] for s, p in weight_grad)
     assert any(s[2] == 13 and p[2] == 16 for s, p in weight_grad)
+
+
+def test_a_backward_pads_its_output_gradient_once(buckets, monkeypatch):
+    """dX = dY @ W and dW = X^T @ dY both pad dY's rows to one bucket: one
+    copy serves both (kept for that backward call alone), and the gradients
+    match float64."""
+    from torch_pallas.ops import matmul as matmul_op
+
+    made = []
+    original = matmul_op._new_zero_padded
+
+    def counting(t, rows, cols):
+        made.append(tuple(t.shape))
+        return original(t, rows, cols)
+
+    monkeypatch.setattr(matmul_op, "_new_zero_padded", counting)
+    w = torch.nn.Parameter(torch.randn(48, 40))
+    for rows in (33, 47):  # the second size starts buckets: 47 -> 48
+        x = torch.randn(rows, 40, requires_grad=True)
+        made.clear()
+        out = torch_pallas.linear(x, w)
+        dy = torch.randn_like(out)
+        gx, gw = torch.autograd.grad(out, (x, w), dy)
+        xd, wd, dyd = x.detach().double(), w.detach().double(), dy.double()
+        torch.testing.assert_close(out.double(), xd @ wd.t(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gx.double(), dyd @ wd, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gw.double(), dyd.t() @ xd, rtol=1e-5, atol=1e-5)
+    # x in the forward, dY once for dX and dW, x again in dW (the forward's
+    # copy is not kept: other layers may read x)
+    assert sorted(made) == [(1, 47, 40), (1, 47, 40), (1, 47, 48)]

@@ -17,8 +17,9 @@ from torch_pallas.ops import matmul as matmul_op
 
 OP = torch.ops.pallas.matmul.default
 
-pytestmark = pytest.mark.skipif(torch_compat.EAGER is None,
-                                reason="this torch lacks the eager_direct internals")
+# Where this torch lacks the internals the short cut reads (torch_compat's
+# eager_direct probe), every call goes through the dispatcher: none is taken.
+SHORT_CUTS = 0 if torch_compat.EAGER is None else 1
 
 
 @pytest.fixture
@@ -55,7 +56,7 @@ def test_a_plain_call_without_gradients_takes_the_short_cut(counted, no_grad):
         if not no_grad:
             a, b = a.detach(), b.detach()
         out = call(a, b)
-    assert len(calls) == 1
+    assert len(calls) == SHORT_CUTS
     assert out._base is None  # a fresh output, as the op's own (below views)
     _close(out, a, b)
 
@@ -67,7 +68,7 @@ def test_inference_mode_takes_the_short_cut_on_inference_tensors(counted):
         x = a * 1  # an inference tensor
         out = call(x, b)
         assert out.is_inference()
-    assert len(calls) == 1
+    assert len(calls) == SHORT_CUTS
     _close(out, a, b)
 
 

@@ -85,10 +85,7 @@ def to_kernel_argument(tensor: torch.Tensor):
     tensor = shareable(tensor)
     if tensor.device.type != "cpu":
         return _importer()(row_major(tensor))
-    if tensor.dtype in _BIT_VIEWS:
-        bits, name = _BIT_VIEWS[tensor.dtype]
-        return tensor.view(bits).numpy().view(_ml_dtype(name))
-    return tensor.numpy()
+    return _numpy_view(tensor.dtype)(tensor)
 
 
 def kernel_argument_maker(dtype: torch.dtype):
@@ -97,19 +94,19 @@ def kernel_argument_maker(dtype: torch.dtype):
     (launch.bound) converts each call's tensors with."""
     if dtype in NARROWED_BY_JAX:  # depends on JAX's 64-bit mode at each call
         return to_kernel_argument
-    bit_view = _BIT_VIEWS.get(dtype)
-    ml_dtype = None if bit_view is None else _ml_dtype(bit_view[1])
+    view = _numpy_view(dtype)
+    return lambda tensor: view(_detached_contiguous(tensor))
 
-    def make(tensor: torch.Tensor):
-        if tensor.requires_grad:
-            tensor = tensor.detach()
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
-        if ml_dtype is None:
-            return tensor.numpy()
-        return tensor.view(bit_view[0]).numpy().view(ml_dtype)
 
-    return make
+@functools.cache
+def _numpy_view(dtype: torch.dtype):
+    """The NumPy view of a shareable CPU tensor of `dtype`: bfloat16 and
+    float8, which NumPy lacks, as ml_dtypes' types (JAX's)."""
+    if dtype not in _BIT_VIEWS:
+        return torch.Tensor.numpy
+    bits, name = _BIT_VIEWS[dtype]
+    ml_dtype = _ml_dtype(name)
+    return lambda tensor: tensor.view(bits).numpy().view(ml_dtype)
 
 
 # dtype -> (an integer dtype of its width, ml_dtypes' name of the type).
@@ -134,6 +131,10 @@ def shareable(tensor: torch.Tensor) -> torch.Tensor:
             f"torch_pallas: {tensor.dtype} cannot cross to JAX without being "
             "narrowed to 32 bits; convert it explicitly first"
         )
+    return _detached_contiguous(tensor)
+
+
+def _detached_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.requires_grad:
         tensor = tensor.detach()
     if not tensor.is_contiguous():

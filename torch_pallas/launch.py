@@ -239,10 +239,7 @@ def bound(op: str, device: torch.device, inputs: tuple[torch.Tensor, ...],
     export = bridge.cpu_to_torch()
 
     def call(*tensors):
-        out = kernel(*[make(t) for make, t in zip(makers, tensors)])
-        if isinstance(out, (tuple, list)):
-            return tuple(export(a) for a in out)
-        return export(out)
+        return _to_torch(kernel(*[make(t) for make, t in zip(makers, tensors)]), export)
 
     return call
 
@@ -260,7 +257,7 @@ def _run_compiled(kernel, *tensors):
     return _to_torch(kernel(*[bridge.to_kernel_argument(t) for t in tensors]))
 
 
-def _to_torch(out):
+def _to_torch(out, export=bridge.to_torch):
     if isinstance(out, (tuple, list)):
-        return tuple(bridge.to_torch(a) for a in out)
-    return bridge.to_torch(out)
+        return tuple(export(a) for a in out)
+    return export(out)

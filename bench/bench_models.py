@@ -7,8 +7,10 @@ cache. Throughput in tokens/s and the ratio to torch.
 The two models are timed side by side, round by round: each round of the
 converted model follows one round of the unconverted one, timed too (the
 `Partner` below), so that both see the same machine. The converted model's
-`ratio_to_torch` is its median over the partner's median from those
-alternating rounds; the torch provider's own row times the unconverted model
+`ratio_to_torch` is the partner's median over its median from those
+alternating rounds, and `ratio_to_torch_paired` the median of the rounds'
+own ratios (each round against the torch round before it: on a machine
+whose speed swings for seconds at a time, the steadier of the two); the torch provider's own row times the unconverted model
 alone, as every suite's torch row does (its ratio to the converted model's
 is `ratio_to_torch_separate`, which moves with the load between the two
 tests on a shared machine).
@@ -102,6 +104,13 @@ def timed(benchmark, provider, function, *, rounds, partner_call, setup=None):
         partner_call(), function()
     result = benchmark.pedantic(function, setup=partner, rounds=rounds, iterations=1)
     benchmark.extra_info["torch_median_interleaved"] = statistics.median(partner.times)
+    # Each round against the torch round just before it: the median of
+    # those paired ratios (speed, torch's time over this one's) follows the
+    # machine's slow and fast spells less than the ratio of the medians.
+    own = benchmark.stats.stats.data
+    benchmark.extra_info["torch_rounds_interleaved"] = list(partner.times)
+    benchmark.extra_info["ratio_to_torch_paired"] = statistics.median(
+        t / c for t, c in zip(partner.times, own))
     return result
 
 

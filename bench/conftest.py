@@ -177,6 +177,8 @@ def pytest_terminal_summary(terminalreporter, config):
             line += f" {info['ratio_to_torch']:6.2f}x torch"
             if "torch_median_interleaved" in info:
                 line += " (interleaved)"
+            if "ratio_to_torch_paired" in info:
+                line += f", {info['ratio_to_torch_paired']:.2f}x round by round"
         if info.get("time_vs_jax") is not None:
             line += f"  time {info['time_vs_jax']:.2f}x jax's"
         terminalreporter.write_line(line)

@@ -59,6 +59,11 @@ def test_bench_suites_smoke_json_and_plots(tmp_path):
         assert info["torch_threads"] >= 1
         assert 1 <= info["usable_cores"] <= info["cpu_count"] == os.cpu_count()
         assert info["load_average_1min_at_start"] >= 0
+        if info["op"].startswith("llama") and info["provider"] != "torch":  # timed against torch
+            partner = info["torch_rounds_interleaved"]
+            assert len(partner) == len(b["stats"]["data"]) >= 1
+            paired = sorted(t / c for t, c in zip(partner, b["stats"]["data"]))
+            assert paired[0] <= info["ratio_to_torch_paired"] <= paired[-1]
     plots = tmp_path / "plots"
     subprocess.run([sys.executable, str(ROOT / "bench" / "plot.py"), str(out), "--out", str(plots)],
                    check=True, capture_output=True)

@@ -76,3 +76,24 @@ def test_users_kernels_and_simulators_are_not_written(cache_dir):
     with torch_pallas.backend("tpu_interpret"):
         torch_pallas.add(torch.randn(8, 128), torch.randn(8, 128))
     assert not cache_dir.exists() or not list(cache_dir.glob("*.kernel"))
+
+
+def test_a_kernel_xla_cannot_serialize_is_built_again_not_filed(cache_dir):
+    # 1024 float32 rows: XLA's oneDNN dot on x86 (kernels/tpu/matmul.py's
+    # cpu_library), whose executable JAX 0.10 cannot serialize; where XLA
+    # can (another library, a later JAX), the kernel is filed as any other.
+    from jax.experimental import serialize_executable
+
+    a, b = torch.randn(1024, 40, dtype=torch.float32), torch.randn(40, 24)
+    expected = (a.double() @ b.double()).float()
+    torch.testing.assert_close(torch_pallas.matmul(a, b), expected, rtol=1e-5, atol=1e-4)
+    (kernel,) = compile_cache.compiled._entries.values()
+    try:
+        serialize_executable.serialize(kernel)
+        serializable = True
+    except Exception:
+        serializable = False
+    filed = list(cache_dir.glob("*.kernel")) if cache_dir.exists() else []
+    assert len(filed) == (1 if serializable else 0)
+    compile_cache.clear()  # as a next process: built (or loaded) again, the same result
+    torch.testing.assert_close(torch_pallas.matmul(a, b), expected, rtol=1e-5, atol=1e-4)

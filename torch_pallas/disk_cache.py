@@ -14,7 +14,10 @@ source of torch_pallas itself (a changed kernel never finds an old entry),
 the versions of torch_pallas, JAX, jaxlib and Python, XLA_FLAGS, JAX's
 64-bit and matmul-precision settings, and the host's CPU (an executable is
 compiled for its instruction set). Users' kernels (custom_op) and the
-simulators' (which call back into Python) are never written.
+simulators' (which call back into Python) are never written, and XLA cannot
+serialize a oneDNN fusion (JAX 0.10: "ToProto is not implemented for thunk
+kind: onednn-fusion"): `store` passes over those, and each process builds
+them again.
 
 Where: `TORCH_PALLAS_CACHE_DIR`, else `$XDG_CACHE_HOME/torch_pallas`, else
 `~/.cache/torch_pallas`; `TORCH_PALLAS_CACHE_DIR=off` (or 0, or empty)

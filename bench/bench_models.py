@@ -10,8 +10,9 @@ converted model follows one round of the unconverted one, timed too (the
 `ratio_to_torch` is the partner's median over its median from those
 alternating rounds, and `ratio_to_torch_paired` the median of the rounds'
 own ratios (each round against the torch round before it: on a machine
-whose speed swings for seconds at a time, the steadier of the two); the torch provider's own row times the unconverted model
-alone, as every suite's torch row does (its ratio to the converted model's
+whose speed swings for seconds at a time, the steadier of the two); the
+torch provider's own row times the unconverted model alone, as every
+suite's torch row does (its ratio to the converted model's
 is `ratio_to_torch_separate`, which moves with the load between the two
 tests on a shared machine).
 

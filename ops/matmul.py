@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from torch_pallas import dtypes, launch, registration, registry, shape_buckets
+from torch_pallas import bridge, dtypes, launch, registration, registry, shape_buckets, torch_compat
 from torch_pallas.ops import checks
 
 OP = "pallas::matmul"
@@ -204,6 +204,84 @@ class _Plan:
         return self.call(*operands).view(self.shape)  # the kernel's (1 or B, M, N), unpadded
 
 
+# --- linear without gradients: a layer's product in one step ---------------
+# A decode step is a stream of small no-grad linear calls, and on the 2-core
+# CPU their Python cost more than their products: a (1 x 256) @ (256 x 256)
+# call interleaved with a model's other layers spent ~70 us on the way from
+# the layer to its kernel (the weight's transpose, the direct call's checks,
+# the plan's key, two as_strided views, the argument makers) against ~50 us
+# in the kernel and its crossings. A call that runs directly
+# (registration.runs_directly) and whose layout has an unpadded plan takes
+# one step: its key (the plan's, read off input and weight), the NumPy
+# views of both, the kernel, the export.
+
+
+def linear_product(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`input @ weight.T`, linear's product: `call(input, weight.t())`, which
+    a call needing no gradient on the CPU runs through its layout's linear
+    plan once the op has made that layout's plan (see above)."""
+    if _runs_directly is None or not _runs_directly(input, weight):
+        return call(input, weight.t())
+    plan = _LINEAR_PLANS.get(_linear_key(input, weight))
+    if plan is not None:
+        return plan.run(input, weight)
+    out = call(input, weight.t())
+    plan = _LinearPlan.of(input, weight)  # the layout's plan, made (or found) by that call
+    if plan is not None:
+        if len(_LINEAR_PLANS) >= MAX_PLANS:
+            _LINEAR_PLANS.clear()
+        _LINEAR_PLANS[_linear_key(input, weight)] = plan
+    return out
+
+
+_LINEAR_PLANS: dict = {}
+
+
+def _linear_key(input, weight):
+    """The plan key of (input, weight.t()) (_plan_key: a weight's transpose
+    is a weight where the weight is), and the state the kernel was found in."""
+    precision = float32_precision() if input.dtype == torch.float32 else None
+    return (input.shape, input.stride(), input.dtype, weight.shape, weight.stride(),
+            weight.dtype, precision, _is_weight(input), _is_weight(weight),
+            _weight_gradient.get(), shape_buckets.state(), launch.binding_state())
+
+
+class _LinearPlan:
+    __slots__ = ("kernel", "rows", "transpose_b", "shape", "read_input", "read_weight", "export")
+
+    @classmethod
+    def of(cls, input, weight):
+        """The linear plan of the op's plan for (input, weight.t()), where
+        that plan is unpadded and its kernel reads input as (1, M, K) and
+        the weight as it is (linear's weight (N, K), or its transpose, as
+        Conv1D's (K, N) weight arrives); None otherwise."""
+        wt = weight.t()
+        plan = _PLANS.get(_plan_key(input, wt))
+        if (plan is None or plan.padded or plan.transposes[0] or not input.is_contiguous()
+                or plan.transposes[1] != weight.is_contiguous()):
+            return None
+        (a_size, _, _), (b_size, _, _) = plan.views
+        a3 = input.reshape(a_size)
+        b3 = weight[None] if plan.transposes[1] else wt[None]
+        kernel = launch.cpu_kernel("matmul", (a3, b3), plan.params)
+        if kernel is None:
+            return None
+        linear = cls()
+        linear.kernel, linear.rows, linear.shape = kernel, a_size, plan.shape
+        linear.transpose_b = plan.transposes[1]
+        linear.read_input = bridge.numpy_reader(input.dtype)
+        linear.read_weight = bridge.numpy_reader(weight.dtype)
+        linear.export = bridge.cpu_to_torch()
+        return linear
+
+    def run(self, input, weight):
+        a = self.read_input(input).reshape(self.rows)
+        b = self.read_weight(weight)
+        b = b[None] if self.transpose_b else b.T[None]
+        with _below_views():
+            return self.export(self.kernel(a, b)).view(self.shape)
+
+
 def bucket_sizes(a3, b3, transpose_a: bool, transpose_b: bool, weights=(False, False),
                  weight_shaped: bool = False):
     """((M, N, K), (M', N', K')): the product's sizes and those its kernel
@@ -317,11 +395,9 @@ def float32_precision() -> str:
     through `torch.backends.cuda.matmul.fp32_precision` (or the global
     `torch.backends.fp32_precision` it inherits) or the older
     torch.set_float32_matmul_precision('high' / 'medium'), which sets it too."""
-    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    setting = torch_compat.cuda_matmul_fp32_precision()
     if setting is None:  # a torch before the fp32_precision settings
         return "ieee" if torch.get_float32_matmul_precision() == "highest" else "tf32"
-    if setting == "none":  # inherits the global setting
-        setting = getattr(torch.backends, "fp32_precision", "none")
     return "tf32" if setting == "tf32" else "ieee"
 
 
@@ -452,6 +528,8 @@ torch.library.register_vmap(OP, _vmap)
 
 # torch.ops.pallas.matmul, skipping the dispatcher on plain eager calls.
 call = registration.direct_caller(torch.ops.pallas.matmul.default)
+_runs_directly = registration.runs_directly(torch.ops.pallas.matmul.default)
+_below_views = torch_compat.EAGER.below_views if torch_compat.EAGER is not None else None
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ SERVES = {  # the parts each probe's private path serves
     "autocast_kernel": {"autocast"},
     "tracing_types": {"compile"},
     "symint_hint": {"custom_op"},
-    "eager_direct": {"ops", "autograd", "autocast"},
+    "eager_direct": {"ops", "autograd", "autocast", "layers"},
+    "fp32_precision": {"precision"},
 }
 parts = set().union(*SERVES.values()) if public == "all" else SERVES[public]
 
@@ -57,6 +58,24 @@ if "autograd" in parts:
             assert not torch_compat.available()["autograd_kernel"]
         else:
             torch.testing.assert_close(tangent, torch.autograd.forward_ad.unpack_dual(x).tangent @ w)
+
+if "layers" in parts:  # a converted layer without gradients, repeated (its plans)
+    layer = torch_pallas.nn.replace_linear(torch.nn.Sequential(torch.nn.Linear(9, 5)))[0]
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 3, 9)
+            ref = x.double() @ layer.weight.double().t() + layer.bias.double()
+            torch.testing.assert_close(layer(x), ref.float(), rtol=1e-5, atol=1e-5)
+
+if "precision" in parts:  # what the float32 matmul precision settings allow, as read per call
+    from torch_pallas.ops import matmul as matmul_op
+
+    assert matmul_op.float32_precision() == "ieee"
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    assert matmul_op.float32_precision() == "tf32"
+    torch.set_float32_matmul_precision(saved)
+    assert matmul_op.float32_precision() == "ieee"
 
 if "compile" in parts:
     compiled = torch.compile(lambda a, b: torch_pallas.add(torch_pallas.matmul(a, b), b[0]),

@@ -115,3 +115,132 @@ def test_a_plan_binds_its_kernel_only_while_the_backend_and_cache_stay():
     builds = compile_cache.compiled.builds
     _check(x(), w.t())
     assert plan.call is not rebound and compile_cache.compiled.builds == builds + 1
+
+
+# --- linear plans: a no-grad linear call in one step --------------------------
+
+@pytest.fixture
+def linear_plan_runs(monkeypatch):
+    """The linear plans' runs, counted."""
+    runs = []
+    run = matmul_op._LinearPlan.run
+
+    def counting(plan, input, weight):
+        runs.append(plan)
+        return run(plan, input, weight)
+
+    monkeypatch.setattr(matmul_op._LinearPlan, "run", counting)
+    matmul_op._LINEAR_PLANS.clear()
+    yield runs
+    matmul_op._LINEAR_PLANS.clear()
+
+
+def _check_linear(x, weight, rtol=1e-5):
+    """torch_pallas.linear(x, weight) against float64, rounded to x's dtype."""
+    got = torch_pallas.linear(x, weight)
+    want = x.detach().double() @ weight.detach().double().t()
+    assert got.shape == want.shape and got.dtype == x.dtype and got._base is None
+    scale = x.detach().double().abs() @ weight.detach().double().abs().t() + 1
+    assert ((got.double() - want).abs() <= rtol * scale).all()
+    return got
+
+
+# The weight as nn.Linear stores it (out, in), and as transformers' Conv1D
+# hands it to linear: the transpose of its (in, out) parameter.
+WEIGHTS = {
+    "linear": lambda dtype: torch.nn.Parameter(torch.randn(53, 37, dtype=dtype)),
+    "conv1d": lambda dtype: torch.nn.Parameter(torch.randn(37, 53, dtype=dtype)).t(),
+}
+INPUTS = {"rows": (3, 37), "batch": (2, 5, 37), "vector": (37,), "one_token": (1, 1, 37)}
+ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+@pytest.mark.parametrize("dtype", ROUNDING, ids=str)
+@pytest.mark.parametrize("weight", WEIGHTS.values(), ids=WEIGHTS.keys())
+@pytest.mark.parametrize("shape", INPUTS.values(), ids=INPUTS.keys())
+def test_a_no_grad_linear_call_runs_its_linear_plan_on_fresh_data(linear_plan_runs, dtype,
+                                                                   weight, shape):
+    """The first call makes the op's plan and the linear plan from it; the
+    next calls, on new data, run the linear plan, as exact as the op."""
+    w = weight(dtype)
+    with torch.no_grad():
+        for _ in range(4):
+            _check_linear(torch.randn(shape, dtype=dtype), w, ROUNDING[dtype])
+    assert len(linear_plan_runs) == 3 and len(matmul_op._LINEAR_PLANS) == 1
+
+
+def test_a_linear_plan_reads_the_weight_and_input_as_they_are_at_each_call(linear_plan_runs):
+    """Nothing of a call's tensors is kept: an in-place update of the weight,
+    a weight whose data was replaced, an input that requires grad (under
+    no_grad) and an inference tensor each give their own product."""
+    w = torch.nn.Parameter(torch.randn(53, 37))
+    with torch.no_grad():
+        for _ in range(2):
+            _check_linear(torch.randn(4, 37), w)
+        w.mul_(-0.5)
+        _check_linear(torch.randn(4, 37), w)
+        w.data = torch.randn(53, 37)  # other storage, same layout: the same plan
+        _check_linear(torch.randn(4, 37), w)
+        _check_linear(torch.randn(4, 37, requires_grad=True), w)
+    with torch.inference_mode():
+        out = _check_linear(torch.randn(4, 37), w)
+        assert out.is_inference()
+    assert len(linear_plan_runs) == 5
+
+
+def test_linear_calls_outside_a_linear_plan_take_the_op(linear_plan_runs):
+    """A call needing a gradient, an input the kernel cannot read in place
+    (transposed) and a weight of another layout (a column slice) run
+    through the op, exactly."""
+    w = torch.nn.Parameter(torch.randn(53, 37))
+    for _ in range(2):
+        out = _check_linear(torch.randn(4, 37), w)
+        assert out.grad_fn is not None
+    with torch.no_grad():
+        for _ in range(2):
+            _check_linear(torch.randn(37, 4).t(), w)
+            _check_linear(torch.randn(4, 29), torch.randn(53, 40)[:, 3:32])
+    assert linear_plan_runs == []
+
+
+def test_linear_plans_follow_the_backend_the_cache_the_buckets_and_the_precision(linear_plan_runs):
+    """A change of the requested backend, a cleared compile cache, a family
+    whose size starts changing, and torch's float32 precision setting each
+    call for another plan (or none: a simulator is never bound); results
+    stay exact on fresh data throughout."""
+    from torch_pallas import compile_cache
+
+    w = torch.nn.Parameter(torch.randn(53, 37))
+    x = lambda rows=100: torch.randn(rows, 37)  # noqa: E731
+    with torch.no_grad():
+        for _ in range(2):
+            _check_linear(x(), w)
+        (first,) = matmul_op._LINEAR_PLANS.values()
+        assert linear_plan_runs == [first]
+        with torch_pallas.backend("tpu_interpret"):
+            for _ in range(2):
+                _check_linear(x(), w)
+        assert linear_plan_runs == [first] and len(matmul_op._LINEAR_PLANS) == 1
+        _check_linear(x(), w)
+        assert linear_plan_runs == [first, first]
+        compile_cache.clear()
+        builds = compile_cache.compiled.builds
+        for _ in range(2):
+            _check_linear(x(), w)
+        assert compile_cache.compiled.builds == builds + 1 and linear_plan_runs[-1] is not first
+        _check_linear(x(110), w)  # the rows change: 100 is bucketed to 128 from now on
+        plans = len(matmul_op._LINEAR_PLANS)
+        for _ in range(2):
+            _check_linear(x(), w)  # a padded plan: through the op
+        assert len(matmul_op._LINEAR_PLANS) == plans
+        saved = torch.get_float32_matmul_precision()
+        try:
+            torch.set_float32_matmul_precision("high")
+            runs = len(linear_plan_runs)
+            for _ in range(2):
+                _check_linear(x(7), w)
+            assert len(linear_plan_runs) == runs + 1
+            key = matmul_op._linear_key(x(7), w)
+        finally:
+            torch.set_float32_matmul_precision(saved)
+        assert matmul_op._linear_key(x(7), w) != key

@@ -11,14 +11,14 @@ import torch
 from torch_pallas import ops, registry  # noqa: F401  (ops registers the ops)
 
 globals().update({info.name: info.function for info in registry.ops()})
-_matmul = ops.matmul.call  # torch.ops.pallas.matmul, past the dispatcher where it would add nothing
+_linear_product = ops.matmul.linear_product  # input @ weight.T, in one step on no-grad CPU calls
 
 
 def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`input @ weight.T + bias` with the Pallas matmul, like
     `torch.nn.functional.linear`. The weight's transpose is read in place and
     the batch dimensions of `input` fold into one product."""
-    out = _matmul(input, weight.t())
+    out = _linear_product(input, weight)
     if bias is None:
         return out
     if torch.is_autocast_enabled(out.device.type):  # cast with the operands, as F.linear's is

@@ -226,10 +226,8 @@ def bound(op: str, device: torch.device, inputs: tuple[torch.Tensor, ...],
     None where each call must find its kernel (a simulator, Triton, while
     torch.compile traces). It saves `run`'s search, ~35 us of a call on
     the 2-core CPU, and is valid while `binding_state()` is unchanged."""
-    if compile_path.tracing_triton():
-        return None
-    backend, kernel, _ = compiled_kernel(op, device, inputs, params)
-    if backend.family == "triton" or backend.simulated:
+    kernel = _found_kernel(op, device, inputs, params)
+    if kernel is None:
         return None
     if device.type != "cpu":
         return functools.partial(_run_compiled, kernel)
@@ -242,6 +240,28 @@ def bound(op: str, device: torch.device, inputs: tuple[torch.Tensor, ...],
         return _to_torch(kernel(*[make(t) for make, t in zip(makers, tensors)]), export)
 
     return call
+
+
+def cpu_kernel(op: str, inputs: tuple[torch.Tensor, ...],
+               params: Mapping[str, Any] | None = None) -> Callable | None:
+    """What `bound` calls on CPU tensors shaped as `inputs`, without the
+    conversions: the compiled kernel, a function of the tensors' NumPy
+    views (bridge.numpy_reader) returning JAX arrays, which
+    bridge.cpu_to_torch() hands back. For a caller that reads its tensors
+    its own way (matmul's linear plans); None where `bound` is; valid while
+    `binding_state()` is unchanged."""
+    return _found_kernel(op, torch.device("cpu"), inputs, params)
+
+
+def _found_kernel(op, device, inputs, params):
+    """The compiled JAX kernel of a call, or None where each call must find
+    its own (see `bound`)."""
+    if compile_path.tracing_triton():
+        return None
+    backend, kernel, _ = compiled_kernel(op, device, inputs, params)
+    if backend.family == "triton" or backend.simulated:
+        return None
+    return kernel
 
 
 def binding_state() -> tuple:

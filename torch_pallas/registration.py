@@ -108,43 +108,62 @@ _kernels: dict[str, Callable] = {}  # op name -> its kernel for every device
 def direct_caller(op) -> Callable:
     """A function calling `op` (a `define`d op's OpOverload) on positional
     tensors as `op(*args)` does, which runs the op's kernel straight where
-    the dispatcher would hand the call nowhere else: a plain eager call
-    needing no gradient, on CPU tensors (of type torch.Tensor or
-    nn.Parameter, strided, with no conjugate or other extra dispatch key;
-    inference tensors too), with nothing intercepting it (no Dynamo trace,
-    and torch_compat.EAGER.unintercepted: no mode, functorch transform,
-    autocast, JIT trace, profiler or forward-AD level) and no kernel
-    registered for the CPU key itself. Every other call goes through `op`;
+    `runs_directly(op)` allows it. Every other call goes through `op`;
     without torch's internals (torch_compat's eager_direct probe) this is
     `op` itself.
 
     It skips the dispatcher's boxing and the op's Autograd kernel: 8-10 us
     of a small call on the 2-core CPU (the checks cost ~2), which a decode
     step pays once per linear layer."""
-    eager = torch_compat.EAGER
-    name = op.name()
-    if eager is None or name not in _kernels:
+    direct = runs_directly(op)
+    if direct is None:
         return op
-    kernel = _kernels[name]
-    plain, key_set = eager.plain_cpu_key_sets, eager.key_set
-    unintercepted, below_views, has_cpu_kernel = (eager.unintercepted, eager.below_views,
-                                                  eager.has_cpu_kernel)
-    plain_types = (torch.Tensor, torch.nn.Parameter)
-    compiling = torch.compiler.is_compiling
+    kernel = _kernels[op.name()]
+    below_views = torch_compat.EAGER.below_views
 
     def call(*args):
-        if compiling():  # first: what Dynamo traces is this branch alone
-            return op(*args)
-        for a in args:
-            if type(a) not in plain_types or key_set(a) not in plain:
-                return op(*args)
-        if ((torch.is_grad_enabled() and any(a.requires_grad for a in args))
-                or not unintercepted() or has_cpu_kernel(name)):
+        if not direct(*args):  # Dynamo traces this branch alone (direct is False while compiling)
             return op(*args)
         with below_views():
             return kernel(*args)
 
     return call
+
+
+def runs_directly(op) -> Callable[..., bool] | None:
+    """For a `define`d op's OpOverload, a predicate on a call's positional
+    tensors: whether the dispatcher would hand `op(*args)` to nothing but
+    the op's kernel, which a caller may then run straight (under
+    torch_compat.EAGER.below_views, as the dispatcher would). That is a
+    plain eager call needing no gradient, on CPU tensors (of type
+    torch.Tensor or nn.Parameter, strided, with no conjugate or other extra
+    dispatch key; inference tensors too), with nothing intercepting it (no
+    Dynamo trace, and torch_compat.EAGER.unintercepted: no mode, functorch
+    transform, autocast, JIT trace, profiler or forward-AD level) and no
+    kernel registered for the CPU key itself. None without torch's
+    internals (torch_compat's eager_direct probe): every call must go
+    through `op`."""
+    eager = torch_compat.EAGER
+    name = op.name()
+    if eager is None or name not in _kernels:
+        return None
+    plain, key_set = eager.plain_cpu_key_sets, eager.key_set
+    unintercepted, has_cpu_kernel = eager.unintercepted, eager.has_cpu_kernel
+    plain_types = (torch.Tensor, torch.nn.Parameter)
+    compiling, grad_enabled, any_requires_grad = (torch.compiler.is_compiling, torch.is_grad_enabled,
+                                                  eager.any_requires_grad)
+
+    def direct(*args) -> bool:
+        if compiling():  # first: what Dynamo traces is this branch alone
+            return False
+        for a in args:
+            if type(a) not in plain_types or key_set(a) not in plain:
+                return False
+        if grad_enabled() and any_requires_grad(*args):
+            return False
+        return unintercepted() and not has_cpu_kernel(name)
+
+    return direct
 
 
 def library(namespace: str) -> torch.library.Library:

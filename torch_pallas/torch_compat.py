@@ -26,6 +26,9 @@ probe                private path                       public fallback
                      stacks, functorch, tracer and      dispatcher
                      profiler state: a plain eager
                      call runs the op's kernel straight
+``fp32_precision``   the float32 precision settings'    ``torch.backends.cuda.matmul`` and
+                     C getters (read by every eager     ``torch.backends`` attributes
+                     matmul call's plan key)
 ===================  =================================  ====================================
 
 `TORCH_PALLAS_PUBLIC_API` (probe names, comma-separated, or ``all``), set
@@ -43,7 +46,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.autograd import forward_ad
 
-PROBES = ("autograd_kernel", "autocast_kernel", "tracing_types", "symint_hint", "eager_direct")
+PROBES = ("autograd_kernel", "autocast_kernel", "tracing_types", "symint_hint", "eager_direct",
+          "fp32_precision")
 ENV_VAR = "TORCH_PALLAS_PUBLIC_API"
 
 
@@ -75,7 +79,8 @@ def available() -> dict[str, bool]:
             "autocast_kernel": AUTOCAST is not None,
             "tracing_types": _TRACING_TYPES is not None,
             "symint_hint": _SYMINT_HAS_NODE is not None,
-            "eager_direct": EAGER is not None}
+            "eager_direct": EAGER is not None,
+            "fp32_precision": cuda_matmul_fp32_precision is not _public_fp32_precision}
 
 
 # --- autograd_kernel --------------------------------------------------------
@@ -183,6 +188,7 @@ class Eager(NamedTuple):
     unintercepted: Callable[[], bool]  # nothing sits between a call and the dispatcher's kernel
     below_views: Callable[[], Any]  # AutoDispatchBelowADInplaceOrView guard
     has_cpu_kernel: Callable[[str], bool]  # op name: a kernel registered for the CPU key itself
+    any_requires_grad: Callable[..., bool]  # of tensors
 
 
 def _eager() -> Eager:
@@ -202,10 +208,40 @@ def _eager() -> Eager:
         return not (function_modes() or dispatch_modes() or transforms() or autocast()
                     or tracer() is not None or profiler() or forward_ad._current_level >= 0)
 
+    has_kernel, cpu = C._dispatch_has_kernel_for_dispatch_key, C.DispatchKey.CPU
     return Eager(plain_cpu_key_sets=plain, key_set=lambda t: C._dispatch_keys(t).raw_repr(),
                  unintercepted=unintercepted, below_views=C._AutoDispatchBelowADInplaceOrView,
-                 has_cpu_kernel=lambda name: C._dispatch_has_kernel_for_dispatch_key(
-                     name, C.DispatchKey.CPU))
+                 has_cpu_kernel=lambda name: has_kernel(name, cpu),
+                 any_requires_grad=getattr(C, "_any_requires_grad", _any_requires_grad))
 
 
 EAGER: Eager | None = _probe("eager_direct", _eager)
+
+
+# --- fp32_precision -------------------------------------------------------
+
+def _public_fp32_precision() -> str | None:
+    """torch.backends.cuda.matmul.fp32_precision as it applies ("tf32",
+    "ieee", or "none": torch's default), through the global setting where
+    the matmul one inherits it; None on a torch before these settings."""
+    setting = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if setting == "none":  # inherits the global setting
+        setting = getattr(torch.backends, "fp32_precision", "none")
+    return setting
+
+
+def _fp32_precision() -> Callable[[], str | None]:
+    getter = torch._C._get_fp32_precision_getter
+
+    def read() -> str:  # the settings' own getters, without their modules' __getattr__
+        setting = getter("cuda", "matmul")
+        return getter("generic", "all") if setting == "none" else setting
+
+    if read() != _public_fp32_precision():
+        raise TypeError("the fp32 precision getters disagree with torch.backends")
+    return read
+
+
+# What the plans of eager matmul calls read per call (ops/matmul.py).
+cuda_matmul_fp32_precision: Callable[[], str | None] = (
+    _probe("fp32_precision", _fp32_precision) or _public_fp32_precision)

@@ -226,9 +226,12 @@ def to_torch(array) -> torch.Tensor:
 
 def cpu_to_torch():
     """`to_torch` for arrays known to be on a CPU (a CPU kernel's results),
-    without the per-call check of their device."""
+    without the per-call check of their device, its two calls found once."""
     exporter = _exporter()
-    return _cpu_array_to_torch if exporter is _to_torch_direct else exporter
+    if exporter is not _to_torch_direct:
+        return exporter
+    to_capsule, from_capsule = jax_env.buffer_to_dlpack(), torch.utils.dlpack.from_dlpack
+    return lambda array: from_capsule(to_capsule(array, stream=None))
 
 
 def _to_torch_public(array) -> torch.Tensor:

@@ -178,3 +178,22 @@ def test_the_public_functions_and_converted_layers_use_the_short_cut(monkeypatch
     want = x.double() @ layer[0].weight.detach().double().t() + layer[0].bias.detach().double()
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     assert len(calls) == 2
+
+
+def test_add_runs_its_kernel_straight_without_gradients_and_through_autograd_with_them():
+    """torch_pallas.add is add's direct caller: a plain call needing no
+    gradient runs the kernel below the dispatcher (a fresh output, no graph),
+    one needing a gradient goes through autograd; both exact against float64
+    on ragged broadcast shapes."""
+    from torch_pallas.ops import add as add_op
+
+    assert (add_op.call is torch.ops.pallas.add.default) == (SHORT_CUTS == 0)
+    x, y = torch.randn(3, 1, 37), torch.randn(5, 37)
+    with torch.no_grad():
+        out = torch_pallas.add(x, y)
+    assert out._base is None and out.grad_fn is None
+    torch.testing.assert_close(out.double(), x.double() + y.double(), rtol=1e-6, atol=1e-6)
+    x.requires_grad_()
+    out = torch_pallas.add(x, y)
+    out.backward(torch.ones_like(out))
+    assert out.grad_fn is not None and torch.equal(x.grad, torch.full_like(x, 5.0))

@@ -230,6 +230,7 @@ def linear_product(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if plan is not None:
         if len(_LINEAR_PLANS) >= MAX_PLANS:
             _LINEAR_PLANS.clear()
+        # Keyed anew: the call may have moved the buckets' state (a size changed).
         _LINEAR_PLANS[_linear_key(input, weight)] = plan
     return out
 
@@ -269,8 +270,8 @@ class _LinearPlan:
         linear = cls()
         linear.kernel, linear.rows, linear.shape = kernel, a_size, plan.shape
         linear.transpose_b = plan.transposes[1]
-        linear.read_input = bridge.numpy_reader(input.dtype)
-        linear.read_weight = bridge.numpy_reader(weight.dtype)
+        linear.read_input = bridge.kernel_argument_maker(input.dtype)
+        linear.read_weight = bridge.kernel_argument_maker(weight.dtype)
         linear.export = bridge.cpu_to_torch()
         return linear
 

@@ -91,24 +91,11 @@ def to_kernel_argument(tensor: torch.Tensor):
 def kernel_argument_maker(dtype: torch.dtype):
     """`to_kernel_argument` for CPU tensors of `dtype`, its dtype's
     decisions taken once: what a caller that launches one kernel many times
-    (launch.bound) converts each call's tensors with."""
+    (launch.bound, matmul's linear plans) converts each call's tensors with."""
     if dtype in NARROWED_BY_JAX:  # depends on JAX's 64-bit mode at each call
         return to_kernel_argument
     view = _numpy_view(dtype)
     return lambda tensor: view(_detached_contiguous(tensor))
-
-
-@functools.cache
-def numpy_reader(dtype: torch.dtype):
-    """`kernel_argument_maker(dtype)` for CPU tensors known to be contiguous
-    (a plan keyed by their layout reads its operands with it): their NumPy
-    view, whether or not they require grad, in one step fewer."""
-    if dtype in NARROWED_BY_JAX:
-        return to_kernel_argument
-    if dtype not in _BIT_VIEWS:
-        return lambda tensor: tensor.numpy(force=True)  # detached in C++; a view
-    view = _numpy_view(dtype)
-    return lambda tensor: view(tensor.detach())
 
 
 @functools.cache
@@ -226,12 +213,9 @@ def to_torch(array) -> torch.Tensor:
 
 def cpu_to_torch():
     """`to_torch` for arrays known to be on a CPU (a CPU kernel's results),
-    without the per-call check of their device, its two calls found once."""
+    without the per-call check of their device."""
     exporter = _exporter()
-    if exporter is not _to_torch_direct:
-        return exporter
-    to_capsule, from_capsule = jax_env.buffer_to_dlpack(), torch.utils.dlpack.from_dlpack
-    return lambda array: from_capsule(to_capsule(array, stream=None))
+    return _cpu_array_to_torch if exporter is _to_torch_direct else exporter
 
 
 def _to_torch_public(array) -> torch.Tensor:

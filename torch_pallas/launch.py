@@ -249,7 +249,7 @@ def cpu_kernel(op: str, inputs: tuple[torch.Tensor, ...],
                params: Mapping[str, Any] | None = None) -> Callable | None:
     """What `bound` calls on CPU tensors shaped as `inputs`, without the
     conversions: the compiled kernel, a function of the tensors' NumPy
-    views (bridge.numpy_reader) returning JAX arrays, which
+    views (bridge.kernel_argument_maker) returning JAX arrays, which
     bridge.cpu_to_torch() hands back. For a caller that reads its tensors
     its own way (matmul's linear plans); None where `bound` is; valid while
     `binding_state()` is unchanged."""

@@ -248,7 +248,7 @@ def _linear_key(input, weight):
 
 
 class _LinearPlan:
-    __slots__ = ("kernel", "rows", "transpose_b", "shape", "read_input", "read_weight", "export")
+    __slots__ = ("kernel", "input_shape", "transpose_b", "shape", "read_input", "read_weight", "export")
 
     @classmethod
     def of(cls, input, weight):
@@ -268,7 +268,7 @@ class _LinearPlan:
         if kernel is None:
             return None
         linear = cls()
-        linear.kernel, linear.rows, linear.shape = kernel, a_size, plan.shape
+        linear.kernel, linear.input_shape, linear.shape = kernel, a_size, plan.shape
         linear.transpose_b = plan.transposes[1]
         linear.read_input = bridge.kernel_argument_maker(input.dtype)
         linear.read_weight = bridge.kernel_argument_maker(weight.dtype)
@@ -276,7 +276,7 @@ class _LinearPlan:
         return linear
 
     def run(self, input, weight):
-        a = self.read_input(input).reshape(self.rows)
+        a = self.read_input(input).reshape(self.input_shape)  # (1, M, K)
         b = self.read_weight(weight)
         b = b[None] if self.transpose_b else b.T[None]
         with _below_views():

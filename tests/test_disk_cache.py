@@ -87,7 +87,13 @@ def test_a_kernel_xla_cannot_serialize_is_built_again_not_filed(cache_dir):
     a, b = torch.randn(1024, 40, dtype=torch.float32), torch.randn(40, 24)
     expected = (a.double() @ b.double()).float()
     torch.testing.assert_close(torch_pallas.matmul(a, b), expected, rtol=1e-5, atol=1e-4)
-    (kernel,) = compile_cache.compiled._entries.values()
+    from torch_pallas import launch
+    from torch_pallas.ops import matmul as matmul_op
+
+    params = {"transpose_a": False, "transpose_b": False,
+              "precision": matmul_op.float32_precision()}
+    kernel = launch.cpu_kernel("matmul", (a[None], b[None]), params)
+    assert len(compile_cache.compiled) == 1  # the op's own kernel, found again
     try:
         serialize_executable.serialize(kernel)
         serializable = True

@@ -209,8 +209,7 @@ def run(
         return kernel(*inputs)
     if not backend.simulated:
         if device.type == "cpu":  # results on the CPU: exported without a look at their device
-            return _to_torch(kernel(*[bridge.to_kernel_argument(t) for t in inputs]),
-                             bridge.cpu_to_torch())
+            return _run_compiled(kernel, *inputs, export=bridge.cpu_to_torch())
         return _run_compiled(kernel, *inputs)
     arrays = [bridge.to_kernel_argument(t) for t in inputs]
     _, _, _, avals, _, detect_races = key[:6]
@@ -274,10 +273,10 @@ def binding_state() -> tuple:
     return backends.requested(), simulators.detecting_races(), compile_cache.compiled.generation
 
 
-def _run_compiled(kernel, *tensors):
+def _run_compiled(kernel, *tensors, export=bridge.to_torch):
     """A compiled JAX kernel run on torch tensors (shared, not copied), its
-    result handed back to torch."""
-    return _to_torch(kernel(*[bridge.to_kernel_argument(t) for t in tensors]))
+    result handed back to torch by `export`."""
+    return _to_torch(kernel(*[bridge.to_kernel_argument(t) for t in tensors]), export)
 
 
 def _to_torch(out, export=bridge.to_torch):

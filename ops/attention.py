@@ -261,7 +261,9 @@ registration.register_autocast("pallas::attention_forward", _autocast_call)
 # --- the backward op -------------------------------------------------------
 
 def _backward_fake(q, k, v, out, grad_out, lse, mask, scale, is_causal):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # Contiguous, as the kernels write them, whatever the inputs' layout
+    # (empty_like would promise q's strides: a transposed view's, in a model).
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def backward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

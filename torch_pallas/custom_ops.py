@@ -184,7 +184,7 @@ def _define_op(name, sig, fn, *, backward=None, triton=None, flops=None):
     def implementation(*args, **kwargs):
         call = _call(name, sig, args, kwargs)
         if triton is not None and _uses_triton(call.device):
-            return triton(*args, **kwargs)
+            return _as_promised(triton(*args, **kwargs))
         outs = _run(name, sig.entry(fn, call.present), call)
         return outs[0] if sig.single else outs
 
@@ -201,6 +201,15 @@ def _define_op(name, sig, fn, *, backward=None, triton=None, flops=None):
         schema=sig.schema_arguments() + " -> " + sig.return_schema(),
         triton_traced=_triton_traced(triton), flops=flops, **autograd,
     )
+
+
+def _as_promised(outs):
+    """A user's Triton implementation's outputs in the layout the op's fake
+    promises, which is what its JAX function's outputs have: row-major
+    (a compiled graph checks the strides a fake promised)."""
+    if isinstance(outs, (tuple, list)):
+        return type(outs)(o.contiguous() for o in outs)
+    return outs.contiguous()
 
 
 def _named(implementation, fn):
@@ -295,7 +304,7 @@ def _define_differentiable(name, sig, fn, *, triton=None, flops=None):
                     f"{name}: on the triton backend the op runs its Triton implementation, "
                     "which JAX cannot differentiate; give custom_op a backward="
                 )
-            outs = triton(*args, **kwargs)
+            outs = _as_promised(triton(*args, **kwargs))
             return list(outs) if isinstance(outs, (tuple, list)) else [outs]
         entry = sig.entry(fn, call.present)
         if jax_residuals:

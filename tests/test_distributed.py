@@ -1,6 +1,8 @@
-"""A model built on torch_pallas.nn.Linear trains under
-DistributedDataParallel (gloo, 2 CPU processes on loopback): after one step
-its gradients equal a single process's on the union of the batches."""
+"""A model built on torch_pallas.nn.Linear trains under PyTorch's own
+distributed engines: DistributedDataParallel (gloo, 2 CPU processes on
+loopback), whose gradients after one step equal a single process's on the
+union of the batches; FSDP2 (gloo, one process), whose AdamW steps equal the
+unsharded model's."""
 
 from __future__ import annotations
 
@@ -58,3 +60,39 @@ def test_ddp_gradients_equal_a_single_process_on_the_union(tmp_path):
     loss_of(model, x, y).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(ddp_grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_fsdp2_steps_equal_the_unsharded_model():
+    """FSDP2 (`fully_shard` on each converted Linear and on the root; gloo,
+    one process) frees each unsharded parameter after use by resizing its
+    storage to 0, which the ops' calls must leave possible: a few AdamW
+    steps give the losses and parameters of the same model unsharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    plain = build_model()
+    sharded = build_model()
+    sharded.load_state_dict(plain.state_dict())
+    batches = [(torch.randn(9, 12), torch.randn(9, 3)) for _ in range(3)]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for layer in (sharded[0], sharded[2]):
+            fully_shard(layer)
+        fully_shard(sharded)
+        losses = {}
+        for name, model in (("plain", plain), ("sharded", sharded)):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses[name] = []
+            for x, y in batches:
+                optimizer.zero_grad()
+                loss = loss_of(model, x, y)
+                loss.backward()
+                optimizer.step()
+                losses[name].append(loss.detach())
+        torch.testing.assert_close(losses["sharded"], losses["plain"], rtol=1e-5, atol=1e-6)
+        unsharded = dict(plain.named_parameters())
+        for name, p in sharded.named_parameters():
+            torch.testing.assert_close(p.full_tensor(), unsharded[name].detach(), rtol=1e-5,
+                                       atol=1e-6, msg=name)
+    finally:
+        dist.destroy_process_group()

@@ -88,3 +88,45 @@ def rebased(args, kwargs, layout: Layout):
         return new_args, {name: swap(a) for name, a in kwargs.items()}
 
     return bases, rebuild
+
+
+def _floating(outputs):
+    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    return [o for o in outs if isinstance(o, torch.Tensor) and o.is_floating_point()]
+
+
+def compiled_matches_eager(op, args, kwargs, *, dynamic: bool, what: str) -> None:
+    """`op(*args, **kwargs)` on every layout, compiled with fullgraph=True
+    (`dynamic` shapes or static) against eager: the outputs, and the
+    gradients of every input that requires grad under a loss weighting each
+    floating output with fresh random numbers. One compiled function calls
+    the op on every layout at once: one compilation, not one per layout."""
+    cases = [(layout.name, *rebased(args, kwargs, layout)) for layout in LAYOUTS]
+
+    def calls(*all_bases):
+        outputs, start = [], 0
+        for _, bases, rebuild in cases:
+            call_args, call_kwargs = rebuild(all_bases[start:start + len(bases)])
+            outputs.append(op(*call_args, **call_kwargs))
+            start += len(bases)
+        return outputs
+
+    eager_bases = [b for _, bases, _ in cases for b in bases]
+    layout_of = [name for name, bases, _ in cases for _ in bases]
+    compiled_bases = [b.detach().clone().requires_grad_(b.requires_grad) for b in eager_bases]
+    expected = calls(*eager_bases)
+    torch._dynamo.reset()
+    got = torch.compile(calls, fullgraph=True, dynamic=dynamic)(*compiled_bases)
+    for (layout, _, _), g, e in zip(cases, got, expected):
+        torch.testing.assert_close(g, e, msg=lambda m: f"{what}, {layout}: {m}")
+
+    weights = [torch.randn(o.shape) for outs in expected for o in _floating(outs)]
+    leaves = [(name, e, c) for name, e, c in zip(layout_of, eager_bases, compiled_bases)
+              if e.requires_grad]
+    if not leaves or not weights:
+        return
+    for outputs in (expected, got):
+        floating = [o for outs in outputs for o in _floating(outs)]
+        sum((o.float() * w).sum() for o, w in zip(floating, weights)).backward()
+    for layout, e, c in leaves:
+        torch.testing.assert_close(c.grad, e.grad, msg=lambda m: f"{what}, {layout} gradient: {m}")

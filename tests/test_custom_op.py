@@ -410,3 +410,29 @@ class Model(torch.nn.Module):
     lines = fake_cuda_trace(model, "inputs = (torch.randn(100, device='cuda'),)")
     assert lines["KERNELS"].split() == ["twice_kernel"]
     assert int(lines["WRAPPERS"]) == 1
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_user_ops_promise_what_they_return_on_model_layouts(dynamic):
+    """A user's op promises row-major outputs (its fake is built from
+    jax.eval_shape) and returns them, whatever its inputs' layouts and
+    whatever layout the JAX function computes (`x.T`): opcheck's fake-tensor
+    check on each layout of tests/layouts.py, then forward and backward
+    (JAX's autodiff: the op's __forward and __backward ops) compiled with
+    fullgraph=True against eager."""
+    from layouts import LAYOUTS, compiled_matches_eager, rebased
+
+    @torch_pallas.custom_op(f"usertest::transposed_scale_{dynamic}")
+    def transposed_scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x * w).T[None] * 2  # (1, H, N): a size-1 dimension in front
+
+    calls = [(transposed_scale, (torch.randn(7, 24), torch.randn(24)), {}),
+             (torch.ops.examples.rms_norm, (torch.randn(2, 5, 128), torch.randn(128), 1e-5), {})]
+    for op, args, kwargs in calls:
+        args = tuple(a.requires_grad_() if isinstance(a, torch.Tensor) else a for a in args)
+        overload = op._packet.default if isinstance(op, torch_pallas.custom_ops.CustomOp) else op.default
+        for layout in LAYOUTS:
+            bases, rebuild = rebased(args, kwargs, layout)
+            call_args, call_kwargs = rebuild([b.detach() for b in bases])
+            torch.library.opcheck(overload, call_args, call_kwargs, test_utils="test_faketensor")
+        compiled_matches_eager(op, args, kwargs, dynamic=dynamic, what=str(op))

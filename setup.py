@@ -14,7 +14,8 @@ setup(
     # ever lands on a user's path.
     packages=[
         "torch_pallas",
-        "torch_pallas.nn",
+        # its layers: base, runtime, library, custom_ops, nn, transformers, distributed
+        *(f"torch_pallas.{layer}" for layer in find_packages("torch_pallas")),
         "torch_pallas.ops",
         "torch_pallas.kernels",
         # one subpackage per kernel family: mosaic_gpu, tpu, triton

@@ -56,7 +56,7 @@ def test_matmul(benchmark, provider, shape, dtype):
 
 # One MLP step, gelu(x @ w): the matmul starts right after a parallel torch
 # op, as it does inside a model. On CPU this shows torch's OpenMP workers
-# competing with a large kernel (README: "Mixing with torch's CPU ops");
+# competing with a large kernel (docs/performance.md: "Mixing with torch's CPU ops");
 # run it with and without OMP_WAIT_POLICY=PASSIVE to compare.
 STEP_SHAPES = SHAPES if SMOKE else [(n, n, n) for n in ((512, 1024) if DEVICE.type == "cpu" else (4096,))]
 STEP_CASES = [(p, shape) for p in providers() if p.kind != "jax" and not p.simulated

@@ -1,7 +1,7 @@
 """A transformers Llama converted with `torch_pallas.nn.replace_linear`
 against the same model unconverted, in one run: a training step, the first
 pass over a batch of changing lengths (every new length builds kernels:
-torch_pallas.shape_buckets bounds how many) and `generate` with the KV
+torch_pallas.runtime.shape_buckets bounds how many) and `generate` with the KV
 cache. Throughput in tokens/s and the ratio to torch.
 
 The two models are timed side by side, round by round: each round of the
@@ -44,8 +44,8 @@ import transformers  # a test dependency (the [test] extra)
 
 from conftest import record
 from providers import DEVICE, SMOKE
-from torch_pallas import backends, compile_cache, disk_cache, shape_buckets
 from torch_pallas.nn import replace_linear
+from torch_pallas.runtime import backends, compile_cache, disk_cache, shape_buckets
 
 
 if SMOKE:

@@ -48,9 +48,8 @@ def gpu_backends() -> list[str]:
 
 def check_ops(backend: str, failures: list[str]) -> None:
     import torch_pallas
-    from torch_pallas import dtypes
-    from torch_pallas.ops import add as add_op
-    from torch_pallas.ops import matmul as matmul_op
+    from torch_pallas.base import dtypes
+    from torch_pallas.ops import add as add_op, matmul as matmul_op
 
     dev = "cuda"
 
@@ -181,7 +180,7 @@ def time_matmuls(quick: bool, tune: bool) -> list[tuple]:
     import triton.testing
 
     import torch_pallas
-    from torch_pallas import bridge
+    from torch_pallas.runtime import bridge
 
     shapes = [(4096, 4096, 4096), (2048, 4096, 14336), (128, 4096, 4096)]
     if not quick:
@@ -195,8 +194,7 @@ def time_matmuls(quick: bool, tune: bool) -> list[tuple]:
             torch_ms = triton.testing.do_bench(lambda: torch.matmul(a, b), return_mode="median")
             results = [("torch", torch_ms)]
             if "mosaic_gpu" in gpu_backends():
-                from torch_pallas.kernels.mosaic_gpu import matmul as mosaic_matmul
-                from torch_pallas.kernels.mosaic_gpu import matmul_tuning
+                from torch_pallas.kernels.mosaic_gpu import matmul as mosaic_matmul, matmul_tuning
 
                 if tune:
                     matmul_tuning.tune(jax.numpy.dtype(str(dtype).removeprefix("torch.")), m, n, k)

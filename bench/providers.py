@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 import torch_pallas
-from torch_pallas import backends, bridge, compilation, launch, registry
+from torch_pallas.runtime import backends, bridge, compilation, launch, registry
 
 # Tiny sizes for the smoke test of the default test run.
 SMOKE = os.environ.get("TORCH_PALLAS_BENCH_SMOKE") == "1"

@@ -26,7 +26,7 @@ What JAX 0.10.2 does differently from the quickstart:
 - The Mosaic GPU simulator runs a pallas_call only with whole-array blocks
   (and returns 0 for `pl.program_id`). On `mosaic_gpu_interpret`,
   torch_pallas runs this call as Mosaic GPU lowers it for the hardware
-  (torch_pallas/mosaic_gpu_pallas_call.py): a `plgpu.kernel` over the
+  (torch_pallas/custom_ops/mosaic_gpu_pallas_call.py): a `plgpu.kernel` over the
   parallel dimensions, the K steps run one at a time with their TMA copies
   and wgmma simulated; the overlap of `max_concurrent_steps` is not.
 - float32 operands would need B K-major for wgmma (TF32): this example takes

@@ -8,4 +8,7 @@ matmul's M, N, K), padding.py (ragged shapes padded to whole blocks) and
 gridless.py (a one-block kernel, on JAX refs under the generic interpreter). The
 references every kernel is tested against are torch's, in float64: each
 op's `reference` in ops/.
+
+Imports: nothing of torch_pallas outside torch_pallas.kernels
+(tests/test_kernel_imports.py, tests/test_layering.py).
 """

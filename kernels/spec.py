@@ -2,7 +2,7 @@
 
 Every kernel file (`kernels/<family>/<op>.py`) ends with one `KernelSpec`,
 named `KERNEL`, that says everything the op layer may use of it; the op
-names the kernel files that implement it (torch_pallas/registry.py), and
+names the kernel files that implement it (torch_pallas/runtime/registry.py), and
 nothing reaches into a kernel file for anything else.
 
 How the entry point is called, for a call of op `op` on backend `backend`:
@@ -15,7 +15,7 @@ How the entry point is called, for a call of op `op` on backend `backend`:
   parameters (hashable; part of the compiled kernel's identity); `device`:
   the JAX device the kernel is built for (None for Triton kernels).
 - `execution`: the keywords that say how the backend runs this family
-  (torch_pallas/backends.py, `Backend.execution`):
+  (torch_pallas/runtime/backends.py, `Backend.execution`):
 
   ==============  ==========================================================
   family          keywords

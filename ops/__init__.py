@@ -5,6 +5,10 @@ naming the kernel files that implement it.
 
 Importing this package imports every op file in it, which registers the
 ops; it does not import JAX.
+
+Imports: `base`, `runtime` (`launch.run`, `registry`) and `library`
+(`registration.define`) of torch_pallas, and the kernels' shape helpers;
+never `custom_ops` or the integrations, which stand beside and above it.
 """
 
 import importlib

@@ -7,7 +7,9 @@ import math
 
 import torch
 
-from torch_pallas import dtypes, launch, registration, registry
+from torch_pallas.base import dtypes
+from torch_pallas.runtime import launch, registry
+from torch_pallas.library import registration
 from torch_pallas.ops import checks
 
 OP = "pallas::add"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas import compile_path, dtypes
+from torch_pallas.base import dtypes
+from torch_pallas.runtime import compile_path
 
 
 class RefusedLikeTorch(RuntimeError, ValueError):
@@ -88,7 +89,7 @@ def factory_device(op: str, device, *, fake: bool = False) -> torch.device:
     where it sees no GPU or not that index.
 
     `fake` (the op's fake function: torch.compile, export), like a trace of
-    the op into its Triton kernels (torch_pallas/compile_path.py), checks nothing:
+    the op into its Triton kernels (torch_pallas/runtime/compile_path.py), checks nothing:
     a graph may be traced for a GPU the tracing machine lacks, as torch's own
     factories may be under fake tensors; the implementation checks when it
     runs. A missing index is then the one FakeTensor itself picks."""

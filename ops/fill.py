@@ -14,7 +14,9 @@ import torch
 
 from collections.abc import Sequence
 
-from torch_pallas import dtypes, launch, registration, registry
+from torch_pallas.base import dtypes
+from torch_pallas.runtime import launch, registry
+from torch_pallas.library import registration
 from torch_pallas.ops import checks
 
 OP = "pallas::fill"

@@ -26,7 +26,9 @@ import math
 
 import torch
 
-from torch_pallas import bridge, dtypes, launch, registration, registry, shape_buckets, torch_compat
+from torch_pallas.base import dtypes, torch_compat
+from torch_pallas.runtime import bridge, launch, registry, shape_buckets
+from torch_pallas.library import registration
 from torch_pallas.ops import checks
 
 OP = "pallas::matmul"
@@ -286,7 +288,7 @@ class _LinearPlan:
 def bucket_sizes(a3, b3, transpose_a: bool, transpose_b: bool, weights=(False, False),
                  weight_shaped: bool = False):
     """((M, N, K), (M', N', K')): the product's sizes and those its kernel
-    is built for, the sizes torch_pallas.shape_buckets chooses once a size
+    is built for, the sizes torch_pallas.runtime.shape_buckets chooses once a size
     changes from call to call (a model whose token count varies builds a
     bounded number of kernels). On the CPU only: CUDA's Triton kernels take
     their sizes at run time.
@@ -539,6 +541,24 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     operands' dtype (float32, float16 or bfloat16). Differentiable; cast
     by torch.autocast like torch.matmul."""
     return call(a, b)
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`input @ weight.T + bias` with the Pallas matmul, like
+    `torch.nn.functional.linear` (`torch_pallas.linear`). The weight's
+    transpose is read in place and the batch dimensions of `input` fold into
+    one product."""
+    out = linear_product(input, weight)
+    if bias is None:
+        return out
+    if torch.is_autocast_enabled(out.device.type):  # cast with the operands, as F.linear's is
+        bias = bias.to(out.dtype)
+    elif bias.dtype != out.dtype:
+        raise TypeError(
+            f"torch_pallas.linear: bias has dtype {bias.dtype}, input and weight "
+            f"{out.dtype}; they must be the same (convert one explicitly)"
+        )
+    return out + bias
 
 
 def reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

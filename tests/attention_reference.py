@@ -125,7 +125,8 @@ def run_kernel(kernel_module: str, backend_name: str, inputs, *, detect_races: b
     backend, a race raises RaceDetectedError."""
     import functools
 
-    from torch_pallas import backends, bridge, dtypes, registry, simulators
+    from torch_pallas.base import dtypes
+    from torch_pallas.runtime import backends, bridge, registry, simulators
 
     backend = backends.get(backend_name)
     spec = registry._load(kernel_module)

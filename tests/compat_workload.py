@@ -9,7 +9,8 @@ import sys
 import torch
 
 import torch_pallas
-from torch_pallas import registry, torch_compat
+from torch_pallas.base import torch_compat
+from torch_pallas.runtime import registry
 
 public = sys.argv[1]
 assert not any(torch_compat.available()[p] for p in torch_compat.PROBES

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 # graph, not by a custom op's fake function: a graph compiled by an older
 # checkout would be reused with the old fake's sizes and strides. Each run
 # (each xdist worker) compiles into a fresh directory; the kernels' own disk
-# cache (torch_pallas/disk_cache.py) keys by the package's source and needs no such care.
+# cache (torch_pallas/runtime/disk_cache.py) keys by the package's source and needs no such care.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     import tempfile
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas import backends
+from torch_pallas.runtime import backends
 
 # Every backend that runs on this machine's CPU (Triton's under its
 # interpreter, which conftest.py turns on where there is no GPU).
@@ -22,6 +22,23 @@ def simulators_exhaustive(names=CPU_BACKENDS, also=()) -> list:
     return [pytest.param(name, marks=[pytest.mark.exhaustive]
                          if backends.get(name).simulated or name in also else [], id=name)
             for name in names]
+# Ops whose simulated calls take seconds each: on the simulators, sweeps that
+# call them many times (opcheck, every layout) run with -m exhaustive.
+SLOW_ON_SIMULATORS = ("attention", "attention_backward")
+
+
+def backend_cases(subjects: dict) -> list:
+    """(backend, subject) pytest params for every CPU backend and every
+    `subjects` entry (name -> value), id "backend-name"; the slow ops on the
+    simulators marked `exhaustive`."""
+    import pytest
+
+    return [pytest.param(backend, value, marks=[pytest.mark.exhaustive] if (
+        backends.get(backend).simulated and name in SLOW_ON_SIMULATORS) else [],
+        id=f"{backend}-{name}")
+        for backend in CPU_BACKENDS for name, value in subjects.items()]
+
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -63,7 +80,7 @@ def kernel_calls(info) -> list[tuple[tuple, dict]]:
     make, as the op hands them to its kernel (recorded on the `interpret`
     backend): what the lowering tests lower for the hardware."""
     import torch_pallas
-    from torch_pallas import compile_cache, launch
+    from torch_pallas.runtime import compile_cache, launch
 
     calls = []
     real = launch.compiled_kernel

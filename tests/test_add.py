@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import torch_pallas
+from torch_pallas.base import dtypes
 from torch_pallas.ops import add as add_op
-from torch_pallas import dtypes
 from helpers import assert_within, random_tensor, FLOAT_DTYPES
 
 DTYPES = (*FLOAT_DTYPES, torch.int32)

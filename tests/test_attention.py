@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import torch_pallas
 from helpers import CPU_BACKENDS, assert_within, fake_cuda_trace
-from torch_pallas import backends, dtypes
+from torch_pallas.base import dtypes
+from torch_pallas.runtime import backends
 from torch_pallas.ops import attention as attention_op
 
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

@@ -27,10 +27,9 @@ import torch
 
 from attention_reference import Case, bound, make_case, run_kernel, torch_error
 from helpers import assert_within
-from torch_pallas import jax_env
-from torch_pallas.kernels.mosaic_gpu import attention as forward
-from torch_pallas.kernels.mosaic_gpu import attention_backward as backward
+from torch_pallas.kernels.mosaic_gpu import attention as forward, attention_backward as backward
 from torch_pallas.kernels.mosaic_gpu.tiles import HOPPER_SMEM_BYTES
+from torch_pallas.base import jax_env
 
 FORWARD = "torch_pallas.kernels.mosaic_gpu.attention"
 BACKWARD = "torch_pallas.kernels.mosaic_gpu.attention_backward"

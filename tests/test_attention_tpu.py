@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from attention_reference import bound, make_case, torch_error
-from torch_pallas import backends, bridge, dtypes, jax_env, registry, simulators
 from torch_pallas.kernels.tpu import attention_blocks
 from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body
+from torch_pallas.base import dtypes, jax_env
+from torch_pallas.runtime import backends, bridge, registry, simulators
 
 FORWARD = "torch_pallas.kernels.tpu.attention"
 BACKWARD = "torch_pallas.kernels.tpu.attention_backward"

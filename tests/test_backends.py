@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import backends, launch
+from torch_pallas.runtime import backends, launch
 from helpers import CPU_BACKENDS
 
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torch_pallas import backends
+from torch_pallas.runtime import backends
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDITIONS = ("omp_wait_policy", "torch_threads", "xla_flags", "cpu_count", "usable_cores",

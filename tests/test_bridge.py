@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import bridge, compile_cache
+from torch_pallas.runtime import bridge, compile_cache
 from helpers import shares_memory
 
 
@@ -26,7 +26,7 @@ def test_contiguous_tensors_cross_without_copies():
 
 
 def test_kernel_output_reaches_torch_without_a_copy():
-    from torch_pallas import jax_env
+    from torch_pallas.base import jax_env
 
     jnp = jax_env.jax().numpy
     out = jnp.arange(1000, dtype=jnp.float32) * 2
@@ -74,7 +74,8 @@ def test_kernel_arguments_share_the_tensor_memory(dtype):
 def test_small_cpu_kernels_run_on_the_synchronous_client():
     """Kernels XLA estimates as small run on the package's synchronous CPU
     client, large ones on JAX's own; both take tensors of every dtype."""
-    from torch_pallas import compilation, jax_env, launch
+    from torch_pallas.base import jax_env
+    from torch_pallas.runtime import compilation, launch
 
     jax = jax_env.jax()
     cpu = torch.device("cpu")
@@ -91,7 +92,8 @@ def test_a_kernel_known_too_large_is_lowered_once(monkeypatch):
     """A kernel whose FLOPs rule out the calling thread (matmul's, known
     from its shapes) is lowered for JAX's client alone, not first for the
     synchronous one; a small one still runs synchronously."""
-    from torch_pallas import compilation, compile_cache, disk_cache, jax_env, launch
+    from torch_pallas.base import jax_env
+    from torch_pallas.runtime import compilation, compile_cache, disk_cache, launch
 
     monkeypatch.setenv(disk_cache.ENV_VAR, "off")  # built here, not read from disk
     jax = jax_env.jax()

@@ -12,7 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_pallas
-from torch_pallas import registration, torch_compat
+from torch_pallas.base import torch_compat
+from torch_pallas.library import registration
 from torch_pallas.ops import matmul as matmul_op
 
 OP = torch.ops.pallas.matmul.default

@@ -1,4 +1,4 @@
-"""Compiled kernels on disk (torch_pallas/disk_cache.py): a kernel another
+"""Compiled kernels on disk (torch_pallas/runtime/disk_cache.py): a kernel another
 process built is loaded instead of built, gives the same result, and a
 damaged entry or a cache turned off costs only a build."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import compilation, compile_cache
+from torch_pallas.runtime import compilation, compile_cache
 
 SCRIPT = """
 import torch, torch_pallas
@@ -87,7 +87,7 @@ def test_a_kernel_xla_cannot_serialize_is_built_again_not_filed(cache_dir):
     a, b = torch.randn(1024, 40, dtype=torch.float32), torch.randn(40, 24)
     expected = (a.double() @ b.double()).float()
     torch.testing.assert_close(torch_pallas.matmul(a, b), expected, rtol=1e-5, atol=1e-4)
-    from torch_pallas import launch
+    from torch_pallas.runtime import launch
     from torch_pallas.ops import matmul as matmul_op
 
     params = {"transpose_a": False, "transpose_b": False,

@@ -24,7 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 SCRIPT = """
 import torch
 import torch_pallas
-from torch_pallas import bridge, compilation, jax_env, launch
+from torch_pallas.base import jax_env
+from torch_pallas.runtime import bridge, compilation, launch
 
 
 def main():

@@ -78,7 +78,7 @@ def test_fill_empty_and_device():
 def test_signed_zeros_and_nan_each_get_their_own_kernel():
     """-0.0 == 0.0 and nan != nan: the compiled-kernel cache keys floats by
     their bits, so neither shares nor misses a kernel wrongly."""
-    from torch_pallas import compile_cache
+    from torch_pallas.runtime import compile_cache
 
     for first, second in ((0.0, -0.0), (-0.0, 0.0)):
         torch_pallas.clear_cache()
@@ -166,7 +166,7 @@ def test_values_torch_full_refuses_raise_its_type(monkeypatch):
     """A value past the dtype's range (or a NaN or infinity for an int
     dtype) raises what torch.full raises for it, a RuntimeError (a ValueError
     too, as before), naming the op, the value and the dtype."""
-    from torch_pallas import launch
+    from torch_pallas.runtime import launch
 
     monkeypatch.setattr(launch, "run", lambda *a, **k: pytest.fail("a kernel was reached"))
     sign = random.choice((-1, 1))

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import torch_pallas
-from helpers import CPU_BACKENDS
-from torch_pallas import backends, registry
+from helpers import backend_cases
+from torch_pallas.runtime import registry
 
 CPU = torch.device("cpu")
 
@@ -78,13 +78,7 @@ SUBJECTS = {info.name: (lambda info=info: _op_calls(info))
             for info in registry.ops() if _takes_tensors(info)}
 SUBJECTS["nn.Linear"] = _linear_calls
 # The attention ops on the simulators take tens of seconds: -m exhaustive.
-SLOW_ON_SIMULATORS = ("attention", "attention_backward")
-CASES = [
-    pytest.param(backend, subject, marks=[pytest.mark.exhaustive] if (
-        backends.get(backend).simulated and subject in SLOW_ON_SIMULATORS) else [],
-        id=f"{backend}-{subject}")
-    for backend in CPU_BACKENDS for subject in SUBJECTS
-]
+CASES = backend_cases({subject: subject for subject in SUBJECTS})
 
 _records: dict = {}
 

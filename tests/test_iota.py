@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import dtypes
+from torch_pallas.base import dtypes
 from torch_pallas.ops import iota as iota_op
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64)

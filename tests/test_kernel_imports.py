@@ -64,9 +64,9 @@ def test_kernels_import_only_kernels_of_torch_pallas(path):
 
 @pytest.mark.parametrize("source", [
     "from torch_pallas import jax_env",
-    "import torch_pallas.backends",
+    "import torch_pallas.runtime.backends",
     "from torch_pallas.ops.matmul import matmul",
-    "from ... import launch",  # from kernels/tpu/x.py: torch_pallas.launch
+    "from ... import launch",  # from kernels/tpu/x.py: torch_pallas.runtime.launch
     "from .... import anything",  # above the package
 ])
 def test_the_check_catches_imports_from_outside(source):

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import torch_pallas
-from helpers import CPU_BACKENDS
+from helpers import backend_cases
 from layouts import LAYOUTS, compiled_matches_eager, rebased
-from torch_pallas import backends, registry
+from torch_pallas.runtime import registry
 
 CPU = torch.device("cpu")
 
@@ -32,13 +32,7 @@ def examples(info):
 
 # Every simulated call runs once per layout here; the attention ops on the
 # simulators take a few seconds each, and go to -m exhaustive as in opcheck.
-SLOW_ON_SIMULATORS = ("attention", "attention_backward")
-FAKE_CASES = [
-    pytest.param(backend, info, marks=[pytest.mark.exhaustive] if (
-        backends.get(backend).simulated and info.name in SLOW_ON_SIMULATORS) else [],
-        id=f"{backend}-{info.name}")
-    for backend in CPU_BACKENDS for info in registry.ops()
-]
+FAKE_CASES = backend_cases({info.name: info for info in registry.ops()})
 
 
 @pytest.mark.parametrize("backend,info", FAKE_CASES)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import backends, bridge, compile_cache, registry
 from torch_pallas.kernels.mosaic_gpu import matmul as mosaic_matmul
 from torch_pallas.kernels.tpu import matmul as tpu_matmul
+from torch_pallas.runtime import backends, bridge, compile_cache, registry
 from torch_pallas.ops import matmul as matmul_op
 from torch_pallas.ops.matmul import as_kernel_operand
 from helpers import FLOAT_DTYPES, assert_within, random_tensor, shares_memory, simulators_exhaustive

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import shape_buckets
+from torch_pallas.runtime import shape_buckets
 from torch_pallas.ops import matmul as matmul_op
 
 
@@ -94,7 +94,7 @@ def test_a_plan_binds_its_kernel_only_while_the_backend_and_cache_stay():
     on, and looks it up again when the requested backend changes (a
     simulator is never bound: it runs through launch.run) or the compile
     cache is cleared; results stay exact on fresh data throughout."""
-    from torch_pallas import compile_cache, launch
+    from torch_pallas.runtime import compile_cache, launch
 
     w = torch.randn(53, 37)
     x = lambda: torch.randn(3, 37)  # noqa: E731
@@ -208,7 +208,7 @@ def test_linear_plans_follow_the_backend_the_cache_the_buckets_and_the_precision
     whose size starts changing, and torch's float32 precision setting each
     call for another plan (or none: a simulator is never bound); results
     stay exact on fresh data throughout."""
-    from torch_pallas import compile_cache
+    from torch_pallas.runtime import compile_cache
 
     w = torch.nn.Parameter(torch.randn(53, 37))
     x = lambda rows=100: torch.randn(rows, 37)  # noqa: E731

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import torch_pallas
+from torch_pallas.base import dtypes
 from torch_pallas.ops import matmul as matmul_op
-from torch_pallas import dtypes
 from helpers import FLOAT_DTYPES, assert_within, simulators_exhaustive
 
 # (torch.testing._internal needs expecttest, which the test extra installs)

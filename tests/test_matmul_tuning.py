@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from torch_pallas import jax_env
-from torch_pallas.kernels.mosaic_gpu import matmul as M
-from torch_pallas.kernels.mosaic_gpu import matmul_tuning as T
-from torch_pallas.kernels.mosaic_gpu import matmul_warp_specialized as W
+from torch_pallas.kernels.mosaic_gpu import (matmul as M, matmul_tuning as T,
+                                             matmul_warp_specialized as W)
 from torch_pallas.kernels.mosaic_gpu.tiles import HOPPER_SMEM_BYTES
+from torch_pallas.base import jax_env
 from torch_pallas.ops import matmul as matmul_op
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from helpers import kernel_calls
-from torch_pallas import backends, registry
 from torch_pallas.kernels.mosaic_gpu import add, fill, iota, matmul, matmul_tuning
 from torch_pallas.kernels.mosaic_gpu.matmul_warp_specialized import WarpSpecializedConfig
+from torch_pallas.runtime import backends, registry
 
 H100 = "NVIDIA H100 80GB HBM3"
 H100_SMS = 132

@@ -1,9 +1,9 @@
 """`pl.pallas_call` with pipelined BlockSpecs on Mosaic GPU, the quickstart's
 compatibility route: examples/mosaic_gpu_pallas_call.py's matmul and other
 windowed pallas_calls run in the Mosaic GPU simulator through
-torch_pallas.custom_op (torch_pallas/mosaic_gpu_pallas_call.py) against
+torch_pallas.custom_op (torch_pallas/custom_ops/mosaic_gpu_pallas_call.py) against
 float64 torch references, and lower for sm_90a; what a backend cannot run
-names its limit (torch_pallas/kernel_advice.py), and a fine grid on the
+names its limit (torch_pallas/custom_ops/kernel_advice.py), and a fine grid on the
 `interpret` backend warns."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import torch_pallas
 from helpers import assert_within
 from test_mosaic_gpu_lowering import aval, lower_for_hopper
-from torch_pallas import jax_env, kernel_advice
+from torch_pallas.base import jax_env
+from torch_pallas.custom_ops import kernel_advice
 
 SIMULATOR = "mosaic_gpu_interpret"
 # JAX 0.10.2 warns when a pl.pallas_call lowers for Mosaic GPU (README, "Your own kernel").

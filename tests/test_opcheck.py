@@ -8,19 +8,13 @@ import pytest
 import torch
 
 import torch_pallas
-from helpers import CPU_BACKENDS
-from torch_pallas import backends, registry
+from helpers import backend_cases
+from torch_pallas.runtime import registry
 
 
 # opcheck runs each example several times: the attention ops on the
 # simulators take minutes, and run with -m exhaustive.
-SLOW_ON_SIMULATORS = ("attention", "attention_backward")
-CASES = [
-    pytest.param(backend, info, marks=[pytest.mark.exhaustive] if (
-        backends.get(backend).simulated and info.name in SLOW_ON_SIMULATORS) else [],
-        id=f"{backend}-{info.name}")
-    for backend in CPU_BACKENDS for info in registry.ops()
-]
+CASES = backend_cases({info.name: info for info in registry.ops()})
 
 
 @pytest.mark.parametrize("requires_grad", [False, True])

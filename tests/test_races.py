@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import jax_env
+from torch_pallas.base import jax_env
 
 
 def test_tpu_interpret_catches_the_seed_fill_42_race():

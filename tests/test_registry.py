@@ -1,4 +1,4 @@
-"""The registry of ops (torch_pallas/registry.py): every op's kernels load as
+"""The registry of ops (torch_pallas/runtime/registry.py): every op's kernels load as
 the contract says (kernels/spec.py); a backend whose family lacks an op is
 refused by name, or, chosen automatically, falls back; `python -m
 torch_pallas` reports every op on every backend asked for."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import backends, compile_cache, launch, registry
 from torch_pallas import __main__ as health
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.runtime import backends, compile_cache, launch, registry
 
 FAMILIES = sorted({b.family for b in backends.BACKENDS.values()})
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import backends, compile_cache, launch, registry
+from torch_pallas.runtime import backends, compile_cache, launch, registry
 from helpers import CPU_BACKENDS
 
 P = torch.ops.pallas
@@ -193,7 +193,8 @@ def out_of_bounds_kernel():
 def test_a_failed_simulated_kernel_leaves_the_process_healthy(monkeypatch):
     """After a simulated kernel fails, the simulator's state is reset (the
     failure leaves it allocated) and the next calls succeed."""
-    from torch_pallas import jax_env, registry
+    from torch_pallas.base import jax_env
+    from torch_pallas.runtime import registry
 
     module = registry.get("add").kernels["mosaic_gpu"]
     real_kernel = registry.get("add").kernel(torch_pallas.BACKENDS["mosaic_gpu_interpret"])
@@ -246,7 +247,7 @@ def test_a_simulated_kernel_compiles_its_cores_bodies_once(backend):
     JAX would compile it anew on every call (jax_env.
     compile_simulated_threads_once). Later calls on fresh data build
     nothing, and give the right results."""
-    from torch_pallas import jax_env
+    from torch_pallas.base import jax_env
 
     n = 1000 + len(backend)  # a size no other test here builds
     with torch_pallas.backend(backend):

@@ -1,4 +1,4 @@
-"""Bounded kernel builds under changing shapes (torch_pallas.shape_buckets):
+"""Bounded kernel builds under changing shapes (torch_pallas.runtime.shape_buckets):
 the bucket sizes, a varying size building a bounded number of kernels, and
 results as accurate as the unpadded kernels' (equal up to the GEMM's own
 rounding, which depends on its blocking), at the buckets' edges, forward
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import compile_cache, shape_buckets
+from torch_pallas.runtime import compile_cache, shape_buckets
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import torch_pallas
-from torch_pallas import bridge, compile_cache, jax_env, torch_compat
+from torch_pallas.base import jax_env, torch_compat
+from torch_pallas.runtime import bridge, compile_cache
 
 WORKLOAD = Path(__file__).with_name("compat_workload.py")
 

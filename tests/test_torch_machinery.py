@@ -155,7 +155,7 @@ VMAP_TOLERANCE = {"matmul": {"rtol": 1e-5, "atol": 1e-5}, "add": {}}
 @pytest.mark.parametrize("op,first,second,in_dims", VMAP_CASES,
                          ids=[f"{c[0]}-{c[3]}-{len(c[1])}d-{len(c[2])}d" for c in VMAP_CASES])
 def test_vmap_is_one_call(op, first, second, in_dims, monkeypatch):
-    from torch_pallas import launch
+    from torch_pallas.runtime import launch
 
     x, y = torch.randn(first), torch.randn(second)
     calls = []

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from torch_pallas import backends, jax_env, registry
 from torch_pallas.kernels.tpu import add, fill, iota, matmul
+from torch_pallas.base import jax_env
+from torch_pallas.runtime import backends, registry
 from helpers import kernel_calls
 
 CORES = 2

@@ -1,24 +1,43 @@
 """torch_pallas: Pallas kernels (JAX's kernel language) as PyTorch operators.
 
 `import torch_pallas` registers every op of ops/ (`torch.ops.pallas.fill`,
-`iota`, `add`, `matmul`, `attention`, ...; torch_pallas.registry lists them) and makes
-each a function here (`torch_pallas.matmul`). It does not import JAX; the
-first kernel call does. Backends: `torch_pallas.backends`; choose one with
-`TORCH_PALLAS_BACKEND=name` or `with torch_pallas.backend(name):`.
+`iota`, `add`, `matmul`, `attention`, ...) and makes each a function here
+(`torch_pallas.matmul`), beside `linear`, the backends' controls, the
+errors and `custom_op`. It does not import JAX; the first kernel call does.
+Choose a backend with `TORCH_PALLAS_BACKEND=name` or
+`with torch_pallas.backend(name):`.
+
+The package in layers, each importing only the layers below it
+(tests/test_layering.py holds the rule):
+
+- `torch_pallas.kernels` (kernels/): the Pallas and Triton kernels, pure JAX
+  and Triton;
+- `base/`: the package's errors and dtypes, and the one place for torch's
+  and JAX's private APIs;
+- `runtime/`: one call from torch tensors to a compiled kernel and back
+  (backends, the op registry, launch, compilation and caches, the bridge);
+- `library/`: defining torch ops on the runtime (torch.library schema,
+  fake, autograd, autocast, the torch.compile path, FLOP formulas);
+- `torch_pallas.ops` (ops/): the shipped ops, one file each; `custom_ops/`:
+  users' JAX functions as ops (`custom_op`);
+- integrations, on the ops: `nn/` (layers and `replace_linear`),
+  `transformers/` (`attn_implementation="pallas"`), `distributed/`;
+- this module and `__main__` (the environment report) on top.
 """
 
-from torch_pallas import functional, nn, registry
-from torch_pallas.backends import BACKENDS, backend
-from torch_pallas.compile_cache import clear as clear_cache
+from torch_pallas import nn, ops
+from torch_pallas.base import VERSION as __version__
+from torch_pallas.base.errors import (BackendError, BackendLimitError, FineGridWarning,
+                                      RaceDetectedError)
+from torch_pallas.runtime.registry import ops as _registered_ops
+from torch_pallas.runtime.backends import BACKENDS, backend
+from torch_pallas.runtime.compile_cache import clear as clear_cache
+from torch_pallas.runtime.simulators import race_detection
 from torch_pallas.custom_ops import custom_op
-from torch_pallas.errors import BackendError, BackendLimitError, FineGridWarning, RaceDetectedError
-from torch_pallas.functional import linear
-from torch_pallas.simulators import race_detection
+from torch_pallas.ops.matmul import linear
 
-__version__ = "0.1.0"
-
-_OPS = [info.name for info in registry.ops()]
-globals().update({name: getattr(functional, name) for name in _OPS})
+_OPS = [info.name for info in _registered_ops()]
+globals().update({info.name: info.function for info in _registered_ops()})
 
 __all__ = [
     "BACKENDS",
@@ -37,7 +56,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # `torch_pallas.transformers` imports transformers: loaded when first used.
+    # `torch_pallas.transformers` is loaded when first used (its `register`
+    # imports transformers).
     if name == "transformers":
         import importlib
 

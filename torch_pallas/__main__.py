@@ -2,7 +2,7 @@
 uses, and checked calls of every op.
 
 Prints the versions and devices, then runs the example calls of every op
-(torch_pallas.registry) on the default device (or on each backend given with
+(torch_pallas.runtime.registry) on the default device (or on each backend given with
 --backend) against their float64 references and prints a table: op,
 backend, max |error|, status, the first round's time (compiling) and a later
 one's. A backend that cannot run here, or an op without a kernel for it, gets
@@ -22,8 +22,9 @@ import time
 import torch
 
 import torch_pallas
-from torch_pallas import backends, jax_env, registry
-from torch_pallas.errors import BackendError
+from torch_pallas.base import jax_env
+from torch_pallas.base.errors import BackendError
+from torch_pallas.runtime import backends, registry
 
 
 def version(package: str) -> str:
@@ -53,7 +54,7 @@ def report_environment(device: torch.device) -> None:
 
 
 def cpu_threads() -> str:
-    """torch's CPU threads and how its OpenMP workers wait (README,
+    """torch's CPU threads and how its OpenMP workers wait (docs/performance.md,
     "Mixing with torch's CPU ops")."""
     policy = os.environ.get("OMP_WAIT_POLICY")
     line = f"cpu threads: torch {torch.get_num_threads()}, OMP_WAIT_POLICY={policy or 'unset'}"

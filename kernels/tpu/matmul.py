@@ -167,7 +167,7 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
 
 # --- which GEMM library XLA's CPU compiler gives the one-block dot -------
 # Measured side by side with torch.matmul in one process, medians of
-# interleaved rounds (README, "Performance", has the tables).
+# interleaved rounds (docs/performance.md has the tables).
 
 # oneDNN beats XLA's default (YNNPACK) for float32 with many rows.
 ONEDNN_DOT = {

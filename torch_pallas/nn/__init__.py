@@ -3,6 +3,12 @@
 installed, `Conv1D` (`x @ W + b`, a `transformers.pytorch_utils.Conv1D`, as in
 GPT-2). `replace_linear(model)` converts a model's layers to them IN PLACE;
 `converted(model)` names the layers that run on the Pallas matmul.
+
+The training ops' layers (RMSNorm, LayerNorm, ...) land here beside
+`Linear`, one module per layer family.
+
+Imports: the ops (`torch_pallas.ops`), as every integration; nothing of
+torch_pallas imports it but the public API.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import warnings
 import torch
 from torch.nn.utils import parametrize
 
-from torch_pallas.functional import linear as _linear
+from torch_pallas.ops.matmul import linear as _linear
 
 
 class Linear(torch.nn.Linear):

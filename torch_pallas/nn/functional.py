@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas.functional import attention, linear
+from torch_pallas.ops.attention import attention
+from torch_pallas.ops.matmul import linear
 
 __all__ = ["linear", "scaled_dot_product_attention"]
 

@@ -14,12 +14,12 @@ class RaceDetectedError(RuntimeError):
 class BackendLimitError(BackendError):
     """A backend that cannot run the kernel it was given: a limit of JAX's
     simulator or interpreter, not of the hardware. The message names the op,
-    the backend, the limit and what to do (torch_pallas/kernel_advice.py)."""
+    the backend, the limit and what to do (torch_pallas/custom_ops/kernel_advice.py)."""
 
 
 class FineGridWarning(UserWarning):
     """A user's kernel whose grids have so many steps that the backend runs
-    it far slower than with larger blocks (torch_pallas/kernel_advice.py)."""
+    it far slower than with larger blocks (torch_pallas/custom_ops/kernel_advice.py)."""
 
 
 def add_note(error: BaseException, note: str) -> None:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from torch_pallas.backends import Backend, BackendError
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.runtime.backends import Backend, BackendError
 
 NAMESPACE = "pallas"
 

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from torch_pallas import backends, torch_compat
+from torch_pallas.base import torch_compat
+from torch_pallas.runtime import backends
 
 _tracing_triton: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "torch_pallas_tracing_triton", default=False

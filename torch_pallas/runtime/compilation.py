@@ -6,7 +6,7 @@ Small kernels on a backend that asks for it (`interpret` on CPU) are built
 for a synchronous JAX CPU client of this package's own, which runs them on
 the calling thread (jax_env.synchronous_cpu_device): lowered for it first,
 and again for JAX's own client only when they turn out too large for it (a
-lowering costs as much as the compile). README, "Performance", has the
+lowering costs as much as the compile). docs/performance.md has the
 measurements behind the limits.
 """
 
@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from torch_pallas import backends, disk_cache, jax_env
-from torch_pallas.backends import Backend
 from torch_pallas.kernels.spec import Avals
+from torch_pallas.base import jax_env
+from torch_pallas.runtime import backends, disk_cache
+from torch_pallas.runtime.backends import Backend
 
 # A kernel under both runs on the calling thread: beyond them JAX's worker
 # threads win.
@@ -32,7 +33,7 @@ def build(entry: Callable, avals: Avals, options: Mapping[str, Any], backend: Ba
           device: torch.device, identity: tuple | None = None, flops: float | None = None):
     """`entry` (JAX arrays in and out) compiled for `avals` on `device`.
     `identity`: what the kernel follows from, as stable values, for a kernel
-    that may be kept on disk for the next process (torch_pallas/disk_cache.py),
+    that may be kept on disk for the next process (torch_pallas/runtime/disk_cache.py),
     and read back from there if an earlier process built it. `flops`: the
     kernel's own count where it knows one before a trace (a kernel too large
     for the calling thread then skips that lowering: 38 of the 83 ms a

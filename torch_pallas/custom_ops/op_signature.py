@@ -32,7 +32,7 @@ from typing import Any, get_args, get_origin
 
 import torch
 
-from torch_pallas import dtypes, jax_env
+from torch_pallas.base import dtypes, jax_env
 
 SCALARS = {int: "int", float: "float", bool: "bool", str: "str"}
 SAVED = object()  # a tensor argument's place while autograd holds the tensor

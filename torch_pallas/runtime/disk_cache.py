@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import pickle
 import platform
@@ -35,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from torch_pallas import jax_env
+from torch_pallas.base import VERSION, jax_env
 
 ENV_VAR = "TORCH_PALLAS_CACHE_DIR"
 FORMAT = 1  # of an entry's file
@@ -54,12 +55,16 @@ def directory() -> Path | None:
 
 @functools.cache
 def _source_digest() -> str:
-    """A digest of the package's Python sources (kernels, ops, bridge)."""
-    root = Path(__file__).resolve().parent
+    """A digest of the package's Python sources: torch_pallas/ and the ops
+    and kernels, wherever each lies (a checkout's editable install keeps
+    ops/ and kernels/ beside torch_pallas/, not inside it)."""
     digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
+    for package in ("torch_pallas", "torch_pallas.ops", "torch_pallas.kernels"):
+        for location in importlib.util.find_spec(package).submodule_search_locations:
+            root = Path(location).resolve()
+            for path in sorted(root.rglob("*.py")):
+                digest.update(f"{package}/{path.relative_to(root)}".encode())
+                digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -83,9 +88,7 @@ def _environment() -> tuple:
     jax = jax_env.jax()
     import jaxlib
 
-    from torch_pallas import __version__
-
-    return (FORMAT, __version__, jax.__version__, jaxlib.__version__, sys.version,
+    return (FORMAT, VERSION, jax.__version__, jaxlib.__version__, sys.version,
             os.environ.get("XLA_FLAGS", ""), bool(jax.config.jax_enable_x64),
             str(jax.config.jax_default_matmul_precision), _source_digest(), _host())
 

@@ -14,9 +14,9 @@ import contextvars
 import threading
 from collections.abc import Callable, Iterator
 
-from torch_pallas import jax_env, kernel_advice
-from torch_pallas.backends import Backend
-from torch_pallas.errors import RaceDetectedError, add_note
+from torch_pallas.base import jax_env
+from torch_pallas.base.errors import RaceDetectedError, add_note
+from torch_pallas.runtime.backends import Backend
 
 _detect_races: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "torch_pallas_detect_races", default=False
@@ -52,7 +52,7 @@ def run(backend: Backend, kernel: Callable, arrays: list, *, detect_races: bool,
             jax_env.jax().block_until_ready(out)
         except Exception as e:
             jax_env.reset_simulator(backend.family)
-            note = kernel_advice.runtime_note(e, backend.name)
+            note = runtime_note(e, backend.name)
             if note is not None:
                 add_note(e, f"{describe()}: {note}")
             raise
@@ -61,3 +61,14 @@ def run(backend: Backend, kernel: Callable, arrays: list, *, detect_races: bool,
                 f"{describe()}: backend {backend.name!r} detected a data race in the kernel"
             )
     return out
+
+
+def runtime_note(error: BaseException, backend: str) -> str | None:
+    """A note for an exception a simulator raised while running a kernel,
+    or None: a block read past an array's edge, which hardware TMA fills
+    with zeros and the Mosaic GPU simulator refuses."""
+    if backend == "mosaic_gpu_interpret" and "Out-of-bounds read" in str(error):
+        return ("a block reads past an array's edge: the GPU's TMA would read zeros there, "
+                "JAX's Mosaic GPU simulator raises. What to do: pad the operands to whole "
+                "blocks (jnp.pad) and slice the result, or keep every block inside the arrays")
+    return None

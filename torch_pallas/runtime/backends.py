@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from torch_pallas import jax_env
-from torch_pallas.errors import BackendError
+from torch_pallas.base import jax_env
+from torch_pallas.base.errors import BackendError
 from torch_pallas.kernels import triton as triton_kernels  # no `import triton` here
 
 ENV_VAR = "TORCH_PALLAS_BACKEND"
@@ -226,7 +226,7 @@ def default_device() -> torch.device:
 
 def traces_to_triton(device: torch.device) -> bool:
     """Whether torch.compile traces calls on `device` into the ops' Triton
-    kernels (torch_pallas/compile_path.py): on CUDA; elsewhere an op stays
+    kernels (torch_pallas/runtime/compile_path.py): on CUDA; elsewhere an op stays
     one opaque call."""
     return device.type == "cuda"
 

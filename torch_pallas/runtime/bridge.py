@@ -34,7 +34,7 @@ import functools
 import numpy as np
 import torch
 
-from torch_pallas import jax_env
+from torch_pallas.base import jax_env
 
 NARROWED_BY_JAX = frozenset({torch.float64, torch.int64, torch.complex128})
 CPU_DL_DEVICE = 1  # DLPack's kDLCPU

@@ -31,11 +31,11 @@ Only pallas_calls are replaced that the simulator would get wrong (a window
 or more than one grid point) and that the function makes where this module
 can reach them: directly, or inside `jax.jit`, `custom_jvp`/`custom_vjp`,
 `checkpoint`, `cond`, `while` and `scan` (re-expressed by
-torch_pallas/jaxpr_walk.py); `plgpu.kernel` and `pl.kernel` calls are left
+torch_pallas/custom_ops/jaxpr_walk.py); `plgpu.kernel` and `pl.kernel` calls are left
 to the simulator as they are.
 
 What it cannot take raises torch_pallas.BackendLimitError, naming the limit
-(torch_pallas/kernel_advice.py): input/output aliases, scalar prefetch,
+(torch_pallas/custom_ops/kernel_advice.py): input/output aliases, scalar prefetch,
 dynamic grids, vmapped calls, `pl.Element`/`pl.BoundedSlice` blocks, a
 windowed block in GMEM, scratch other than SMEM and `plgpu.ACC`, and a
 `pl.program_id` inside a `pl.run_scoped` body.
@@ -45,14 +45,27 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 
-from torch_pallas import jax_env, jaxpr_walk, kernel_advice
-from torch_pallas.kernel_advice import SimulatorLimit
+from torch_pallas.base import jax_env
+from torch_pallas.custom_ops import jaxpr_walk
 
 _PROGRAM_ID_PRIMITIVES = ("program_id", "num_programs")
 WHAT_RUNS = ("write the kernel with plgpu.kernel and plgpu.emit_pipeline (what Mosaic GPU "
              "lowers a pipelined pallas_call to; examples/mosaic_gpu_pallas_call.py)")
+
+
+class SimulatorLimit(Exception):
+    """A kernel a simulator cannot run: `limit` (what the kernel does that
+    the simulator cannot) and `what_to_do`. Internal: kernel_advice.explain turns
+    it into a BackendLimitError that names the op and the backend."""
+
+    def __init__(self, limit: str, what_to_do: str, where: str | None = None):
+        super().__init__(f"{limit}; {what_to_do}")
+        self.limit = limit
+        self.what_to_do = what_to_do
+        self.where = where  # file:line of the user's code, if known
 
 
 def simulated(fn: Callable) -> Callable:
@@ -103,7 +116,7 @@ def _replace(eqn, invals):
         return _pipelined_call(eqn, invals)
     except SimulatorLimit as e:
         if e.where is None:  # name the user's pallas_call
-            e.where = kernel_advice.source_location(eqn)
+            e.where = source_location(eqn)
         raise
 
 
@@ -323,3 +336,15 @@ def _untransformed(ref):
     """The buffer under a transformed SMEM ref: the kernel's traced body
     applies its BlockSpec's (un)tiling and (un)swizzling itself."""
     return getattr(ref, "ref", ref)
+
+
+def source_location(eqn) -> str | None:
+    """file:line of the innermost frame outside JAX and torch_pallas in
+    the traceback JAX recorded for equation `eqn`: the user's call."""
+    libraries = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (jax_env.jax(), jax_env))
+    traceback_ = getattr(getattr(eqn, "source_info", None), "traceback", None)
+    for frame in getattr(traceback_, "frames", ()):
+        if not os.path.abspath(frame.file_name).startswith(libraries):
+            return f"{frame.file_name}:{frame.line_num}"
+    return None

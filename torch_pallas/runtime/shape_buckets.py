@@ -32,7 +32,7 @@ before. Switch buckets off for results that never depend on that. Sizes up
 to `EXACT_UP_TO` are never padded.
 
 Off with `TORCH_PALLAS_SHAPE_BUCKETS=0` in the environment, or
-`torch_pallas.shape_buckets.enabled = False`.
+`torch_pallas.runtime.shape_buckets.enabled = False`.
 """
 
 from __future__ import annotations

@@ -12,11 +12,22 @@ masks transformers builds for SDPA (boolean, None where a causal rule
 suffices), so padding masks reach the op. Grouped key/value heads are read
 in place (no `repeat_kv`). Importing `torch_pallas` does not import
 transformers; this module does, when `register()` runs.
+
+The place for the rest of what puts a transformers model on the Pallas ops
+(the one call that patches a model's norms, rotary embeddings, MLPs and
+loss onto the training ops lands here, as `patching.py`). An integration:
+it imports the ops (`torch_pallas.ops`), and nothing of torch_pallas imports
+it but the public API's `torch_pallas.transformers`.
+
+Imports: `torch_pallas.ops`; transformers itself only inside `register()`.
 """
 
 from __future__ import annotations
 
 import torch
+
+# Registers torch.ops.pallas.attention, which attention_forward calls.
+from torch_pallas.ops import attention as _attention  # noqa: F401
 
 NAME = "pallas"
 
@@ -54,8 +65,6 @@ def register() -> None:
     """Registers attn_implementation="pallas" with transformers (idempotent)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
-
-    import torch_pallas  # noqa: F401  (registers the ops)
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)

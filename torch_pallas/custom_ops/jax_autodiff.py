@@ -3,7 +3,7 @@
 A custom op without a `backward=` is differentiated as JAX differentiates
 its function: `jax.vjp`, which applies the kernels' own `custom_vjp` rules
 (a flash attention's forward keeps its log-sum-exp, its backward kernels
-use it). The torch side (torch_pallas/custom_ops.py) runs two kernels built
+use it). The torch side (torch_pallas/custom_ops/__init__.py) runs two kernels built
 here:
 
 - `forward_entry`: the function's outputs and, after them, the residuals
@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from torch_pallas import jax_env
+from torch_pallas.base import jax_env
 
 
 class Residuals:

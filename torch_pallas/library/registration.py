@@ -1,10 +1,10 @@
 """Registering a torch op: the one mechanism behind every `torch.ops.pallas.*`
-op and behind `torch_pallas.custom_op` (torch_pallas/custom_ops.py).
+op and behind `torch_pallas.custom_op` (torch_pallas/custom_ops/__init__.py).
 
 `define` registers a torch.library schema, the implementation for every
 device, the fake function, autograd (its own Autograd kernel, below), the
 torch.compile path on CUDA (the op's body traced with its Triton kernels:
-torch_pallas/compile_path.py) and, optionally, a FLOP formula.
+torch_pallas/runtime/compile_path.py) and, optionally, a FLOP formula.
 `register_autocast` casts an op's inputs as torch.autocast casts
 torch.matmul's.
 """
@@ -18,7 +18,9 @@ from collections.abc import Callable
 import torch
 from torch.autograd import forward_ad
 
-from torch_pallas import compile_path, flop_counting, torch_compat
+from torch_pallas.base import torch_compat
+from torch_pallas.runtime import compile_path
+from torch_pallas.library import flop_counting
 
 
 def define(

@@ -3,15 +3,16 @@ JAX, run, cross back.
 
 An op file (ops/*.py) checks its arguments, then calls `run` with the torch
 tensors and the op's static parameters. `run` picks the backend
-(torch_pallas.backends) and the op's kernel for its family
-(torch_pallas.registry), fetches the compiled kernel from the cache
-(building it on the first call: torch_pallas.compilation), hands the tensors
-to JAX without copies (torch_pallas.bridge), runs the kernel (the simulators
-one at a time: torch_pallas.simulators) and hands the result back.
+(torch_pallas.runtime.backends) and the op's kernel for its family
+(torch_pallas.runtime.registry), fetches the compiled kernel from the cache
+(building it on the first call: torch_pallas.runtime.compilation), hands the tensors
+to JAX without copies (torch_pallas.runtime.bridge), runs the kernel (the simulators
+one at a time: torch_pallas.runtime.simulators) and hands the result back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Mapping
@@ -19,11 +20,11 @@ from typing import Any
 
 import torch
 
-from torch_pallas import backends, bridge, compilation, compile_cache, compile_path, dtypes
-from torch_pallas import jax_env
-from torch_pallas import registry, simulators
-from torch_pallas.backends import Backend
-from torch_pallas.errors import BackendError, add_note
+from torch_pallas.base import dtypes, jax_env
+from torch_pallas.base.errors import BackendError, add_note
+from torch_pallas.runtime import (backends, bridge, compilation, compile_cache, compile_path,
+                                  registry, simulators)
+from torch_pallas.runtime.backends import Backend
 
 
 def qualified_name(op: str) -> str:
@@ -102,6 +103,42 @@ def _entry(op: str, backend: Backend, device: torch.device, avals, params,
     return entry, spec.options(backend.name, avals, params), spec.work(avals, params)
 
 
+@dataclasses.dataclass(frozen=True)
+class UserKernelSupport:
+    """What a call of a user's kernel (a JAX function standing in for a
+    shipped op's kernels: torch_pallas.custom_op) needs beyond a shipped
+    kernel, handed over by the layer that defines such ops
+    (`support_user_kernels`), which this one does not import:
+
+    - `as_run_on(function, backend_name)`: the function as that backend runs
+      it (windowed pallas_calls on the Mosaic GPU simulator);
+    - `explain(error, op, backend_name, user_function)`: the exception to
+      raise instead of `error`, raised while building the kernel, or None;
+    - `check(op, backend_name, function, avals)`: warns where the kernel
+      will run slowly.
+    """
+
+    as_run_on: Callable[[Callable, str], Callable]
+    explain: Callable[[BaseException, str, str, Callable], BaseException | None]
+    check: Callable[[str, str, Callable, tuple], None]
+
+
+_user_kernel_support: UserKernelSupport | None = None
+
+
+def support_user_kernels(support: UserKernelSupport) -> None:
+    """Calls with a `user_function` get `support` (see UserKernelSupport)."""
+    global _user_kernel_support
+    _user_kernel_support = support
+
+
+def _user_kernels(op: str) -> UserKernelSupport:
+    if _user_kernel_support is None:
+        raise RuntimeError(f"{op}: a user's kernel runs through torch_pallas.custom_op, "
+                           "whose module supports it; import torch_pallas first")
+    return _user_kernel_support
+
+
 def compiled_kernel(
     op: str,
     device: torch.device,
@@ -137,11 +174,9 @@ def compiled_kernel(
                                        user_function)
         if backend.family == "triton":
             return entry  # launched on torch tensors as it is
-        from torch_pallas import kernel_advice, mosaic_gpu_pallas_call
-
-        if user_function is not None and backend.name == "mosaic_gpu_interpret":
-            # Windowed pallas_calls run as Mosaic GPU runs them on a GPU.
-            entry = mosaic_gpu_pallas_call.simulated(entry)
+        user = None if user_function is None else _user_kernels(name)
+        if user is not None:
+            entry = user.as_run_on(entry, backend.name)
         try:
             kernel = compilation.build(entry, avals, options, backend, device,
                                        identity=_persistent_identity(key, entry, options),
@@ -150,16 +185,13 @@ def compiled_kernel(
             building = (f"{name}: building its {backend.name!r} kernel for inputs "
                         f"{list(avals)} and parameters {dict(params)}")
             add_note(e, building)
-            if user_function is not None:  # what limit a user's kernel hit, and what to do
-                takes = getattr(user_function, "takes_interpret", True)  # op_signature.Signature.entry
-                advice = kernel_advice.explain(e, op=name, backend=backend.name,
-                                               takes_interpret=takes)
-                if advice is not None:
-                    add_note(advice, building)
-                    raise advice from e
+            advice = None if user is None else user.explain(e, name, backend.name, user_function)
+            if advice is not None:  # what limit a user's kernel hit, and what to do
+                add_note(advice, building)
+                raise advice from e
             raise
-        if user_function is not None:
-            kernel_advice.check_grid(name, backend.name, entry, avals)
+        if user is not None:
+            user.check(name, backend.name, entry, avals)
         return kernel
 
     kernel = compile_cache.compiled.get(key, build)

@@ -11,10 +11,10 @@ torch op, differentiable through JAX's own autodiff of the function.
     torch.ops.mylib.scale(torch.randn(8, 128), 2.0)
 
 It builds the op's implementation, its fake function (from `jax.eval_shape`:
-torch_pallas/shape_probing.py) and its autograd from the function and its
-annotations (torch_pallas/op_signature.py says which annotations map to
+torch_pallas/custom_ops/shape_probing.py) and its autograd from the function and its
+annotations (torch_pallas/custom_ops/op_signature.py says which annotations map to
 what), and registers them as the shipped ops are registered
-(torch_pallas/registration.py).
+(torch_pallas/library/registration.py).
 
 The function receives JAX arrays for its tensor parameters (shared with
 torch through DLPack, no copy) and Python values for the rest, which are
@@ -25,11 +25,22 @@ on a GPU), to pass on to `pl.pallas_call`, `pl.kernel` or `plgpu.kernel`;
 kernels called without `interpret=` (JAX's TPU flash attention) run under
 JAX's interpret-mode context for the backend all the same.
 
+The subpackage, on the runtime (`launch` runs the kernels; this module
+hands it what a user's kernel needs beyond a shipped one: `_as_run_on`,
+`_explain`) and on `library` (`registration.define`): `op_signature` maps
+the function's annotations to a schema, `shape_probing` its output shapes,
+`jax_autodiff` its gradients, `mosaic_gpu_pallas_call` simulates windowed
+pallas_calls on the Mosaic GPU simulator, `kernel_advice` explains the
+limits a user's kernel hits, `jaxpr_walk` walks traced functions for both.
+
+Imports: `base`, `runtime` and `library`; neither the shipped ops nor the
+integrations.
+
 Gradients: without `backward=`, the op is `{op}`, which calls
 `{op}__forward` (the function's outputs and, when a gradient is needed, the
 residuals JAX's vjp keeps) and, in the backward, `{op}__backward` (the
 inputs' cotangents from those residuals, the forward not run again):
-torch_pallas/jax_autodiff.py.
+torch_pallas/custom_ops/jax_autodiff.py.
 """
 
 from __future__ import annotations
@@ -43,11 +54,30 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from torch_pallas import backends, dtypes, jax_autodiff, jax_env, launch, op_signature
-from torch_pallas import registration, shape_probing
-from torch_pallas.errors import add_note
+from torch_pallas.base import dtypes, jax_env
+from torch_pallas.base.errors import add_note
+from torch_pallas.runtime import backends, launch
+from torch_pallas.library import registration
+from torch_pallas.custom_ops import (jax_autodiff, kernel_advice, mosaic_gpu_pallas_call,
+                                     op_signature, shape_probing)
 
 RESIDUALS = "jax_residuals"  # the forward op's flag: also return the vjp's residuals
+
+
+def _as_run_on(function: Callable, backend: str) -> Callable:
+    if backend == "mosaic_gpu_interpret":
+        # Windowed pallas_calls run as Mosaic GPU runs them on a GPU.
+        return mosaic_gpu_pallas_call.simulated(function)
+    return function
+
+
+def _explain(error: BaseException, op: str, backend: str, user_function: Callable):
+    takes = getattr(user_function, "takes_interpret", True)  # op_signature.Signature.entry
+    return kernel_advice.explain(error, op=op, backend=backend, takes_interpret=takes)
+
+
+launch.support_user_kernels(launch.UserKernelSupport(
+    as_run_on=_as_run_on, explain=_explain, check=kernel_advice.check_grid))
 
 
 def custom_op(
@@ -68,7 +98,7 @@ def custom_op(
 
     - Parameters: tensors (`torch.Tensor`, optionally `| None`), static
       values (int, float, bool, str, tuples of int/float/bool, torch.dtype,
-      any hashable class), see torch_pallas/op_signature.py; the return is
+      any hashable class), see torch_pallas/custom_ops/op_signature.py; the return is
       annotated `torch.Tensor` or a tuple of them (nested tuples allowed).
     - Gradients come from JAX's autodiff of `fn` (`jax.vjp`, which uses the
       kernels' `custom_vjp` rules; the residuals it keeps are saved, the

@@ -14,7 +14,7 @@ registers the torch ops. The first kernel call comes through here, which
 - keeps a second, synchronous JAX CPU client for small CPU kernels
   (`synchronous_cpu_device`);
 - reaches jaxlib's DLPack capsule import and export directly, for the
-  bridge's per-call cost (torch_pallas/bridge.py checks them against the
+  bridge's per-call cost (torch_pallas/runtime/bridge.py checks them against the
   public API once and falls back to it).
 
 This is the one module that uses JAX's private API (names under
@@ -119,8 +119,8 @@ def synchronous_cpu_device():
     or more to a worker thread and the caller waits for it: a torch op
     waits at once, and after any pause between calls the sleeping worker
     is slow to wake, compared with what a small kernel costs. Large kernels
-    stay on JAX's client, whose threads run them faster (README,
-    "Performance", has the measurements)."""
+    stay on JAX's client, whose threads run them faster (docs/performance.md
+    has the measurements)."""
     jax()
     with _synchronous_cpu_lock:
         try:

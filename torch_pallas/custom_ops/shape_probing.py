@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from torch_pallas import dtypes, jax_env, torch_compat
-from torch_pallas.errors import add_note
+from torch_pallas.base import dtypes, jax_env, torch_compat
+from torch_pallas.base.errors import add_note
 
 
 @functools.lru_cache(maxsize=256)

@@ -7,12 +7,13 @@ slowly: the limit that was hit, or the cost, and what to do about it.
     a bare `AssertionError` (a `pl.pallas_call` with BlockSpec windows: the
     simulator asserts `has_trivial_window()` for every block) or a
     `NotImplementedError` ("Higher-order primitive run_state", "load_p is not
-    supported on GPU yet"); what torch_pallas/mosaic_gpu_pallas_call.py cannot
+    supported on GPU yet"); what torch_pallas/custom_ops/mosaic_gpu_pallas_call.py cannot
     simulate raises `SimulatorLimit`. Either becomes a
     `torch_pallas.BackendLimitError` naming the op, the backend, the limit,
     where in the user's code it was hit, and what to do, raised from JAX's
-    exception. A block read past an array's edge, which the simulator
-    refuses only when the kernel runs, gets a note (`runtime_note`).
+    exception. (A block read past an array's edge, which the simulator
+    refuses only when the kernel runs, gets its note from
+    torch_pallas/runtime/simulators.py, for every kernel.)
   - JAX's CPU error "Only interpret mode is supported on CPU backend" (a
     kernel compiled for the CPU without interpret mode) gets a note naming
     the fix: take an `interpret` parameter and pass it on, or call the kernel
@@ -29,13 +30,14 @@ slowly: the limit that was hit, or the cost, and what to do about it.
 from __future__ import annotations
 
 import math
-import os
 import traceback
 import warnings
 from collections.abc import Callable
 
-from torch_pallas import jax_env, jaxpr_walk
-from torch_pallas.errors import BackendLimitError, FineGridWarning, add_note
+from torch_pallas.base import jax_env
+from torch_pallas.base.errors import BackendLimitError, FineGridWarning, add_note
+from torch_pallas.custom_ops import jaxpr_walk
+from torch_pallas.custom_ops.mosaic_gpu_pallas_call import WHAT_RUNS, SimulatorLimit
 
 # On the `interpret` backend every grid step costs about one pass over the
 # kernel's whole buffers (README, "Your own kernel", measured on 2 cores:
@@ -47,18 +49,6 @@ _GPU_SIMULATOR_FILES = "pallas/mosaic_gpu/interpret/"
 _TPU_SIMULATOR_FILES = "pallas/mosaic/interpret/"
 _CPU_ERROR = "Only interpret mode is supported on CPU backend"
 _warned_ops: set[str] = set()
-
-
-class SimulatorLimit(Exception):
-    """A kernel a simulator cannot run: `limit` (what the kernel does that
-    the simulator cannot) and `what_to_do`. Internal: `explain` turns it into
-    a BackendLimitError that names the op and the backend."""
-
-    def __init__(self, limit: str, what_to_do: str, where: str | None = None):
-        super().__init__(f"{limit}; {what_to_do}")
-        self.limit = limit
-        self.what_to_do = what_to_do
-        self.where = where  # file:line of the user's code, if known
 
 
 def explain(error: BaseException, *, op: str, backend: str,
@@ -120,8 +110,6 @@ def _jax_simulator_limit(error: BaseException) -> tuple[str, str] | None:
                 "simulator of the kernel's own family")
     if _GPU_SIMULATOR_FILES not in where:
         return None
-    from torch_pallas.mosaic_gpu_pallas_call import WHAT_RUNS
-
     message = str(error)
     if isinstance(error, AssertionError) and "has_trivial_window" in line:
         return (f"JAX {version}'s Mosaic GPU simulator runs a pl.pallas_call only with "
@@ -142,17 +130,6 @@ def _jax_simulator_limit(error: BaseException) -> tuple[str, str] | None:
     return None
 
 
-def runtime_note(error: BaseException, backend: str) -> str | None:
-    """A note for an exception a simulator raised while running a kernel,
-    or None: a block read past an array's edge, which hardware TMA fills
-    with zeros and the Mosaic GPU simulator refuses."""
-    if backend == "mosaic_gpu_interpret" and "Out-of-bounds read" in str(error):
-        return ("a block reads past an array's edge: the GPU's TMA would read zeros there, "
-                "JAX's Mosaic GPU simulator raises. What to do: pad the operands to whole "
-                "blocks (jnp.pad) and slice the result, or keep every block inside the arrays")
-    return None
-
-
 def _user_location(error: BaseException) -> str | None:
     """file:line of the user's code that JAX records as the source of the
     failing operation (its JaxStackTraceBeforeTransformation cause)."""
@@ -161,18 +138,6 @@ def _user_location(error: BaseException) -> str | None:
         return None
     frames = traceback.extract_tb(cause.__traceback__)
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
-
-
-def source_location(eqn) -> str | None:
-    """file:line of the innermost frame outside JAX and torch_pallas in
-    the traceback JAX recorded for equation `eqn`: the user's call."""
-    libraries = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                      for m in (jax_env.jax(), jax_env))
-    traceback_ = getattr(getattr(eqn, "source_info", None), "traceback", None)
-    for frame in getattr(traceback_, "frames", ()):
-        if not os.path.abspath(frame.file_name).startswith(libraries):
-            return f"{frame.file_name}:{frame.line_num}"
-    return None
 
 
 def pallas_call_grids(fn: Callable, avals) -> list[tuple[str, tuple[int, ...]]]:

@@ -3,14 +3,14 @@ nested in it, and evaluating a jaxpr again with some equations replaced.
 
 `equations` finds, for instance, every `pallas_call` a user's function makes,
 however deep inside `jax.jit`, `custom_vjp`, `cond` or loops
-(torch_pallas/kernel_advice.py counts their grid steps). `evaluate` re-runs a
+(torch_pallas/custom_ops/kernel_advice.py counts their grid steps). `evaluate` re-runs a
 jaxpr on tracers, equation by equation, binding each primitive as traced,
 except where a `replace` function returns the outputs itself; a higher-order
 equation whose inner jaxprs hold something to replace is evaluated inside the
 same way, through lax's public API (`lax.switch`, `lax.while_loop`,
 `lax.scan`) or inlined (`jit`, `custom_jvp`/`custom_vjp` calls, `checkpoint`:
 their forward computation, which is all a compiled forward kernel runs).
-torch_pallas/mosaic_gpu_pallas_call.py uses it twice: to replace a user's
+torch_pallas/custom_ops/mosaic_gpu_pallas_call.py uses it twice: to replace a user's
 `pallas_call`s, and inside a kernel to give `pl.program_id` its value.
 
 Only `jax.extend.core` (JAX's public API for jaxprs) is used here.
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from torch_pallas import jax_env
+from torch_pallas.base import jax_env
 
 # Replaces one equation: its outputs (a list), or None to bind it as traced.
 Replace = Callable[[Any, list], "list | None"]

@@ -1,0 +1,103 @@
+"""RMSNorm's forward on the TensorCores: each row of x (R, N) divided by its
+root mean square, then multiplied by the weight, as
+`torch.nn.functional.rms_norm` computes it (Zhang & Sennrich 2019, "Root Mean
+Square Layer Normalization").
+
+    rstd = 1 / sqrt(mean(x^2) + eps)      (float32, one per row, kept)
+    out  = x * rstd * weight              (float32, rounded once to x's dtype)
+
+`pltpu.emit_pipeline` walks blocks of whole rows, HBM -> VMEM, double
+buffered; the row blocks are PARALLEL and split across the TensorCores.
+Columns are zero-padded to whole lanes (zeros add nothing to the sum of
+squares, whose mean divides by the true N), rows to whole blocks. On
+`interpret` (JAX's generic interpreter, which copies whole buffers per grid
+step) the whole array is one block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels.shapes import round_up
+from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
+
+LANES = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsConfig:
+    """Blocks of whole rows; the row-wise ops' (rms_norm and its backward)
+    one knob."""
+
+    block_rows: int | None  # None: every row in one block
+
+    @classmethod
+    def default(cls, backend: str) -> "RowsConfig":
+        if backend == "interpret":
+            return cls(block_rows=None)
+        return cls(block_rows=8)  # one (8, 128) VMEM tile row per block
+
+
+def rms_norm_kernel(*refs, n: int, eps: float, has_weight: bool, block, num_cores):
+    x_hbm, *w_hbm, o_hbm, rstd_hbm = refs
+
+    def body(x_vmem, *rest):
+        *w_vmem, o_vmem, rstd_vmem = rest
+        x = x_vmem[...].astype(jnp.float32)
+        rstd = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / n + eps)
+        y = x * rstd
+        if has_weight:
+            y = y * w_vmem[0][...].astype(jnp.float32)
+        o_vmem[...] = y.astype(o_vmem.dtype)
+        rstd_vmem[...] = rstd
+
+    rows, cols = x_hbm.shape
+    # A second grid axis of one step: the row blocks are the PARALLEL axis the
+    # cores split, then one sequential (ARBITRARY) step each.
+    row_block = pl.BlockSpec(block, lambda i, j: (i, 0))
+    weight = pl.BlockSpec((1, cols), lambda i, j: (0, 0))
+    stats = pl.BlockSpec((block[0], 1), lambda i, j: (i, 0))
+    pltpu.emit_pipeline(
+        body,
+        grid=(rows // block[0], 1),
+        in_specs=[row_block, *([weight] if has_weight else [])],
+        out_specs=[row_block, stats],
+        **pipeline_core_split(num_cores, parallel_dims=1),
+    )(x_hbm, *w_hbm, o_hbm, rstd_hbm)
+
+
+def row_blocks(rows: int, cols: int, config: RowsConfig) -> tuple[int, int, int]:
+    """(padded rows, padded cols, rows per block) for an (rows, cols) input."""
+    if config.block_rows is None:
+        return rows, cols, rows
+    return round_up(rows, config.block_rows), round_up(cols, LANES), config.block_rows
+
+
+def rms_norm(x, weight=None, *, eps: float, config: RowsConfig, num_cores: int, interpret):
+    """(out, rstd) for x (R, N) and weight (N,) or None: out in x's dtype,
+    rstd (R,) float32."""
+    rows, n = x.shape
+    padded_rows, padded_cols, block_rows = row_blocks(rows, n, config)
+    inputs = [pad_to(x, (padded_rows, padded_cols))]
+    if weight is not None:
+        inputs.append(pad_to(weight.reshape(1, n), (1, padded_cols)))
+    out, rstd = pl.kernel(
+        functools.partial(rms_norm_kernel, n=n, eps=eps, has_weight=weight is not None,
+                          block=(block_rows, padded_cols), num_cores=num_cores),
+        out_type=(jax.ShapeDtypeStruct((padded_rows, padded_cols), x.dtype),
+                  jax.ShapeDtypeStruct((padded_rows, 1), jnp.float32)),
+        mesh=tensorcore_mesh(num_cores),
+        interpret=interpret,
+    )(*inputs)
+    return out[:rows, :n], rstd[:rows, 0]
+
+
+KERNEL = KernelSpec(run=rms_norm, default_config=RowsConfig.default)

@@ -1,0 +1,81 @@
+"""RMSNorm's forward in Triton: one program per row, the whole row in
+registers (BLOCK_N, the width rounded up to a power of two, masked), as
+`torch.nn.functional.rms_norm` computes it: rstd = 1 / sqrt(mean(x^2) + eps)
+and x * rstd * weight in float32, rounded once to the input's dtype. rstd is
+kept, one float32 per row, for the backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.triton import direct, interpreter_safe_dtype
+
+MAX_WIDTH = 65536  # a row in one program's registers
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+    """Warps per program by the row's width: enough threads that each holds
+    a few dozen elements (the row-wise kernels: rms_norm and its backward)."""
+
+    elements_per_warp: int = 1024
+    max_warps: int = 16
+
+    @classmethod
+    def default(cls, backend: str) -> "RowConfig":
+        return cls()
+
+    def num_warps(self, block_n: int) -> int:
+        return max(1, min(self.max_warps, triton.next_power_of_2(block_n // self.elements_per_warp)))
+
+
+@triton.jit
+def rms_norm_kernel(x_ptr, w_ptr, o_ptr, rstd_ptr, n, x_row_stride, o_row_stride, eps,
+                    BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < n
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    y = x * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + row * o_row_stride + cols, y.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x (R, N) with unit stride along its rows (a copy only if it lacks it)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def too_wide(backend: str, avals, params) -> str | None:
+    n = avals[0][0][-1]
+    if n > MAX_WIDTH:
+        return (f"backend {backend!r} keeps a row in registers, up to {MAX_WIDTH} elements; "
+                f"this one has {n}")
+    return None
+
+
+def rms_norm(x, weight=None, *, eps: float, config: RowConfig, wrap=direct):
+    """(out, rstd) for x (R, N) and weight (N,) or None: out in x's dtype,
+    rstd (R,) float32."""
+    x = rows_of(x)
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=interpreter_safe_dtype(x.dtype), device=x.device)
+    rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    block_n = triton.next_power_of_2(n)
+    wrap(rms_norm_kernel)[(rows,)](
+        x, x if weight is None else weight.contiguous(), out, rstd, n, x.stride(0),
+        out.stride(0), eps, BLOCK_N=block_n, HAS_WEIGHT=weight is not None,
+        num_warps=config.num_warps(block_n),
+    )
+    return out.to(x.dtype), rstd
+
+
+KERNEL = KernelSpec(run=rms_norm, default_config=RowConfig.default, unsupported=too_wide)

@@ -129,4 +129,9 @@ def compiled_matches_eager(op, args, kwargs, *, dynamic: bool, what: str) -> Non
         floating = [o for outs in outputs for o in _floating(outs)]
         sum((o.float() * w).sum() for o, w in zip(floating, weights)).backward()
     for layout, e, c in leaves:
-        torch.testing.assert_close(c.grad, e.grad, msg=lambda m: f"{what}, {layout} gradient: {m}")
+        # Relative to the gradient's size: a compiled graph may round a sum
+        # of nearly cancelling 16-bit terms once where eager rounds each.
+        tolerance = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3}.get(e.grad.dtype, 1.3e-6)
+        torch.testing.assert_close(c.grad, e.grad, rtol=tolerance,
+                                   atol=tolerance * e.grad.abs().max().item(),
+                                   msg=lambda m: f"{what}, {layout} gradient: {m}")

@@ -81,6 +81,9 @@ class Tiles:
     def rows(self, x):
         return plgpu.layout_cast(x, plgpu.Layout.WGMMA.reduce(1)) if self.hardware else x
 
+    def tile(self, x):
+        return plgpu.layout_cast(x, plgpu.Layout.WGMMA) if self.hardware else x
+
     def steps(self, count: int) -> int:
         return min(self.config.max_concurrent_steps, count)
 

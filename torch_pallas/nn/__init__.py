@@ -3,7 +3,7 @@
 installed, `Conv1D` (`x @ W + b`, a `transformers.pytorch_utils.Conv1D`, as in
 GPT-2). `replace_linear(model)` converts a model's layers to them IN PLACE;
 `converted(model)` names the layers that run on the Pallas matmul.
-`RMSNorm` (norms.py) is `torch.nn.RMSNorm` on the fused rms_norm op.
+`RMSNorm` and `LayerNorm` (norms.py) are torch.nn's on the fused norm ops.
 
 The training ops' layers (RMSNorm, LayerNorm, ...) land here beside
 `Linear`, one module per layer family.
@@ -20,7 +20,7 @@ import warnings
 import torch
 from torch.nn.utils import parametrize
 
-from torch_pallas.nn.norms import RMSNorm  # noqa: F401  (torch_pallas.nn.RMSNorm)
+from torch_pallas.nn.norms import LayerNorm, RMSNorm  # noqa: F401  (torch_pallas.nn.*)
 from torch_pallas.ops.matmul import linear as _linear
 
 

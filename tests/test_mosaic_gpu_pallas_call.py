@@ -28,7 +28,7 @@ from torch_pallas.base import jax_env
 from torch_pallas.custom_ops import kernel_advice
 
 SIMULATOR = "mosaic_gpu_interpret"
-# JAX 0.10.2 warns when a pl.pallas_call lowers for Mosaic GPU (README, "Your own kernel").
+# JAX 0.10.2 warns when a pl.pallas_call lowers for Mosaic GPU (docs/custom_ops.md).
 PALLAS_CALL_DEPRECATED = pytest.mark.filterwarnings(
     "ignore:Using ``pl.pallas_call`` for Mosaic GPU kernels is deprecated:DeprecationWarning")
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mosaic_gpu_pallas_call.py"

@@ -23,7 +23,7 @@ slowly: the limit that was hit, or the cost, and what to do about it.
   generic interpreter), which copies whole buffers on every grid step, a
   user's function whose `pallas_call` grids have FINE_GRID_STEPS steps or
   more warns once per op (`torch_pallas.FineGridWarning`): why it is slow and
-  what to do. README, "Your own kernel", has the measurements behind the
+  what to do. docs/custom_ops.md has the measurements behind the
   threshold.
 """
 
@@ -40,7 +40,7 @@ from torch_pallas.custom_ops import jaxpr_walk
 from torch_pallas.custom_ops.mosaic_gpu_pallas_call import WHAT_RUNS, SimulatorLimit
 
 # On the `interpret` backend every grid step costs about one pass over the
-# kernel's whole buffers (README, "Your own kernel", measured on 2 cores:
+# kernel's whole buffers (docs/custom_ops.md, measured on 2 cores:
 # 20-30 us per step at 256x256 float32, 150-500 us at 1024x1024): at 64 steps
 # a kernel already runs 7-30x slower than with whole-array blocks.
 FINE_GRID_STEPS = 64

@@ -27,8 +27,8 @@ setup(
         "torch_pallas.kernels": "kernels",
     },
     install_requires=[
-        # torch 2.7 on: the oldest with every torch.library API used (README,
-        # "Install and test"); the lower bound keeps an installed CPU build
+        # torch 2.7 on: the oldest with every torch.library API used (docs/install.md);
+        # the lower bound keeps an installed CPU build
         # instead of pulling a multi-GB CUDA build.
         "torch>=2.7",
         "jax>=0.10.2",

@@ -130,3 +130,27 @@ def caller_device(device):
     if device is None and not torch.compiler.is_compiling():
         return torch.get_default_device()
     return device
+
+
+def normalized(op: str, input: torch.Tensor, normalized_shape, params: dict, supported) -> None:
+    """A norm's arguments (rms_norm, layer_norm): `input` a tensor of a
+    `supported` dtype whose last dimensions are `normalized_shape` (not
+    empty), and each of `params` (name -> tensor or None: weight, bias) of
+    that shape, a supported dtype, on the input's device."""
+    tensor(op, "input", input)
+    dtype_in(op, "input", input.dtype, supported)
+    shape = tuple(normalized_shape)
+    if not shape or input.dim() < len(shape) or tuple(input.shape[-len(shape):]) != shape:
+        raise RefusedLikeTorch(
+            f"{op}: normalized_shape={list(shape)} must be the input's last dimensions "
+            f"and not empty; got input.shape={tuple(input.shape)}")
+    for name, param in params.items():
+        if param is None:
+            continue
+        tensor(op, name, param)
+        dtype_in(op, name, param.dtype, supported)
+        same_device(op, input, param, names=("input", name))
+        if tuple(param.shape) != shape:
+            raise RefusedLikeTorch(
+                f"{op}: {name}.shape={tuple(param.shape)} must equal "
+                f"normalized_shape={list(shape)}")

@@ -35,23 +35,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check(input, normalized_shape, weight, bias):
-    checks.tensor(OP, "input", input)
-    checks.dtype_in(OP, "input", input.dtype, DTYPES)
-    shape = tuple(normalized_shape)
-    if not shape or input.dim() < len(shape) or tuple(input.shape[-len(shape):]) != shape:
-        raise checks.RefusedLikeTorch(
-            f"{OP}: normalized_shape={list(shape)} must be the input's last dimensions "
-            f"and not empty; got input.shape={tuple(input.shape)}")
-    for name, param in (("weight", weight), ("bias", bias)):
-        if param is None:
-            continue
-        checks.tensor(OP, name, param)
-        checks.dtype_in(OP, name, param.dtype, DTYPES)
-        checks.same_device(OP, input, param, names=("input", name))
-        if tuple(param.shape) != shape:
-            raise checks.RefusedLikeTorch(
-                f"{OP}: {name}.shape={tuple(param.shape)} must equal "
-                f"normalized_shape={list(shape)}")
+    checks.normalized(OP, input, normalized_shape, {"weight": weight, "bias": bias}, DTYPES)
 
 
 def layer_norm_implementation(input, normalized_shape, weight=None, bias=None, eps=1e-5):

@@ -35,21 +35,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check(input, normalized_shape, weight):
-    checks.tensor(OP, "input", input)
-    checks.dtype_in(OP, "input", input.dtype, DTYPES)
-    shape = tuple(normalized_shape)
-    if not shape or input.dim() < len(shape) or tuple(input.shape[-len(shape):]) != shape:
-        raise checks.RefusedLikeTorch(
-            f"{OP}: normalized_shape={list(shape)} must be the input's last dimensions "
-            f"and not empty; got input.shape={tuple(input.shape)}")
-    if weight is not None:
-        checks.tensor(OP, "weight", weight)
-        checks.dtype_in(OP, "weight", weight.dtype, DTYPES)
-        checks.same_device(OP, input, weight, names=("input", "weight"))
-        if tuple(weight.shape) != shape:
-            raise checks.RefusedLikeTorch(
-                f"{OP}: weight.shape={tuple(weight.shape)} must equal "
-                f"normalized_shape={list(shape)}")
+    checks.normalized(OP, input, normalized_shape, {"weight": weight}, DTYPES)
 
 
 def rms_norm_implementation(input, normalized_shape, weight=None, eps=None):

@@ -108,13 +108,12 @@ registration.define(
 
 # --- the composite, F.layer_norm's signature ---------------------------------
 
-registration.library("pallas").define(
-    "layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, "
+registration.define_composite(
+    "pallas::layer_norm",
+    "(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, "
     "Tensor? bias=None, float eps=1e-05) -> Tensor",
-    tags=(torch.Tag.pt2_compliant_tag,),
+    layer_norm_implementation,
 )
-registration.library("pallas").impl("layer_norm", layer_norm_implementation,
-                                    "CompositeImplicitAutograd")
 
 
 def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,

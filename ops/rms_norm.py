@@ -109,13 +109,12 @@ registration.define(
 
 # --- the composite, F.rms_norm's signature -----------------------------------
 
-registration.library("pallas").define(
-    "rms_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) "
+registration.define_composite(
+    "pallas::rms_norm",
+    "(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, float? eps=None) "
     "-> Tensor",
-    tags=(torch.Tag.pt2_compliant_tag,),
+    rms_norm_implementation,
 )
-registration.library("pallas").impl("rms_norm", rms_norm_implementation,
-                                    "CompositeImplicitAutograd")
 
 
 def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,

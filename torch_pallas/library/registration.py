@@ -168,6 +168,19 @@ def runs_directly(op) -> Callable[..., bool] | None:
     return direct
 
 
+def define_composite(name: str, schema: str, implementation: Callable):
+    """Registers op `name` ("namespace::op", with `schema`, its arguments and
+    results) as a composite of other ops: CompositeImplicitAutograd, so
+    autograd, autocast and torch.compile see the ops `implementation` calls
+    (the public signatures of attention and the training ops, over their
+    forward and backward ops). Returns its torch.ops packet."""
+    namespace, opname = name.split("::")
+    lib = library(namespace)
+    lib.define(opname + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    lib.impl(opname, implementation, "CompositeImplicitAutograd")
+    return getattr(getattr(torch.ops, namespace), opname)
+
+
 def library(namespace: str) -> torch.library.Library:
     """The Library holding this package's registrations in `namespace`
     (kept alive: registrations end when their Library is collected)."""

@@ -1,6 +1,7 @@
 """torch_pallas.nn: the drop-in Linear and Conv1D, replace_linear and what
 it reports, a small transformer that trains the same with and without the
-Pallas matmul, and a small GPT-2 (transformers' Conv1D) converted."""
+Pallas matmul, a small GPT-2 (transformers' Conv1D) converted, and
+LinearCrossEntropyLoss."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 
 import torch_pallas
 from torch_pallas.nn import Linear, converted, replace_linear
+from torch_pallas.ops.linear_cross_entropy import torch_linear_cross_entropy
 
 
 class Block(nn.Module):
@@ -392,3 +394,27 @@ def test_replace_linear_refuses_a_named_class_that_computes_something_else():
         replace_linear(model, also={OutIn: "transposed"})
     with pytest.raises(TypeError, match=r"also= takes torch.nn.Module classes"):
         replace_linear(model, also=["OutIn"])
+
+
+@pytest.mark.parametrize("options", [
+    {},  # the defaults: ignore_index=-100, "mean"
+    dict(ignore_index=3, reduction="sum", label_smoothing=0.1, softcap=5.0),
+])
+def test_linear_cross_entropy_loss_is_the_op_with_its_options(options):
+    """torch_pallas.nn.LinearCrossEntropyLoss(...)(input, weight, target,
+    bias): the loss and the gradients of torch's F.cross_entropy of
+    F.linear, with the module's options, ignored targets included."""
+    x = torch.randn(2, 7, 16, requires_grad=True)
+    weight = torch.randn(37, 16, requires_grad=True)
+    bias = torch.randn(37, requires_grad=True)
+    target = torch.randint(0, 37, (2, 7))
+    target[0, :3] = options.get("ignore_index", -100)
+    loss_module = torch_pallas.nn.LinearCrossEntropyLoss(**options)
+    assert list(loss_module.state_dict()) == []  # the weight is the LM head's
+    assert f"reduction={options.get('reduction', 'mean')!r}" in repr(loss_module)
+    results = []
+    for compute in (loss_module, lambda *a: torch_linear_cross_entropy(*a, **options)):
+        loss = compute(x, weight, target, bias)
+        results.append((loss, *torch.autograd.grad(loss, (x, weight, bias))))
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)

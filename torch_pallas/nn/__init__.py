@@ -3,7 +3,9 @@
 installed, `Conv1D` (`x @ W + b`, a `transformers.pytorch_utils.Conv1D`, as in
 GPT-2). `replace_linear(model)` converts a model's layers to them IN PLACE;
 `converted(model)` names the layers that run on the Pallas matmul.
-`RMSNorm` and `LayerNorm` (norms.py) are torch.nn's on the fused norm ops.
+`RMSNorm` and `LayerNorm` (norms.py) are torch.nn's on the fused norm ops;
+`LinearCrossEntropyLoss` (loss.py) an LM head's product and its
+cross-entropy loss in one op, without the logits.
 
 The training ops' layers (RMSNorm, LayerNorm, ...) land here beside
 `Linear`, one module per layer family.
@@ -20,6 +22,7 @@ import warnings
 import torch
 from torch.nn.utils import parametrize
 
+from torch_pallas.nn.loss import LinearCrossEntropyLoss  # noqa: F401  (torch_pallas.nn.*)
 from torch_pallas.nn.norms import LayerNorm, RMSNorm  # noqa: F401  (torch_pallas.nn.*)
 from torch_pallas.ops.matmul import linear as _linear
 

@@ -55,7 +55,7 @@ def chunk_rows(rows: int, hidden: int, vocab: int) -> int:
     """Rows per chunk: logits of about the input's size (rows x hidden), a
     power of two, at least MIN_CHUNK_ROWS (all rows where fewer)."""
     target = max(1, rows * hidden // max(vocab, 1))
-    return min(rows, max(MIN_CHUNK_ROWS, 1 << (target - 1).bit_length()))
+    return max(1, min(rows, max(MIN_CHUNK_ROWS, 1 << (target - 1).bit_length())))
 
 
 def _check(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
@@ -108,13 +108,14 @@ def _kernel_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> torc
 
 def _row_scale(t32, reduction: str, grad_loss) -> torch.Tensor:
     """Each row's factor on its logits' gradient: the loss's gradient (per
-    row for "none"), over the count of valid rows for "mean", 0 where the
-    row is ignored."""
-    valid = (t32 >= 0).to(torch.float32)
-    if reduction == "none":
-        return valid * grad_loss.reshape(-1).float()
-    scale = valid * grad_loss.float()
-    return scale / valid.sum() if reduction == "mean" else scale
+    row for "none"), over the count of valid rows for "mean", and 0 where
+    the row is ignored (also when every row is: torch's gradient is 0 then,
+    though its "mean" loss is nan)."""
+    valid = t32 >= 0
+    grad = grad_loss.reshape(-1).float() if reduction == "none" else grad_loss.float()
+    if reduction == "mean":
+        grad = grad / valid.sum()
+    return torch.where(valid, grad, 0.0)
 
 
 def _run_chunks(x, weight, t32, bias, params, *, lse=None, scale=None, grads=(False,) * 3):
@@ -124,14 +125,24 @@ def _run_chunks(x, weight, t32, bias, params, *, lse=None, scale=None, grads=(Fa
     rows, hidden = x.shape
     vocab = weight.shape[0]
     step = chunk_rows(rows, hidden, vocab)
+    slice_rows = max(MIN_CHUNK_ROWS, step * vocab // hidden)
     forward = lse is None
     losses, lses = [], []
-    d_input = x.new_empty(x.shape) if grads[0] else None
-    d_weight = (weight.new_zeros(weight.shape, dtype=torch.float32) if grads[1] else None)
+    # Chunks and slices are narrowed views, read only, and the results are
+    # whole tensors, concatenated at the end: a trace on fake CUDA tensors
+    # (the compile path) can neither index nor write into a view on a
+    # CPU-only torch.
+    d_input = [] if grads[0] else None
+    # d_weight in slices of the vocabulary, each summed over the chunks in
+    # float32: each product no larger than a chunk's logits (a whole (V, H)
+    # product per chunk would double d_weight's memory)
+    slices = [(v, min(slice_rows, vocab - v)) for v in range(0, vocab, slice_rows)]
+    d_weight = ([weight.new_zeros((n, hidden), dtype=torch.float32) for _, n in slices]
+                if grads[1] else None)
     d_bias = (weight.new_zeros((vocab,), dtype=torch.float32) if grads[2] else None)
     for start in range(0, rows, step):
-        chunk = slice(start, start + step)
-        xc, tc = x[chunk], t32[chunk]
+        size = min(step, rows - start)
+        xc, tc = x.narrow(0, start, size), t32.narrow(0, start, size)
         z = torch.ops.pallas.matmul(xc, weight.t())
         if bias is not None:
             z += bias
@@ -140,20 +151,28 @@ def _run_chunks(x, weight, t32, bias, params, *, lse=None, scale=None, grads=(Fa
             losses.append(loss_c)
             lses.append(lse_c)
         else:
-            lse_c = lse[chunk]
+            lse_c = lse.narrow(0, start, size)
         if not any(grads):
             continue
         dz = launch.run("linear_cross_entropy_backward", x.device,
-                        (z, tc, lse_c, scale[chunk]), params)
+                        (z, tc, lse_c, scale.narrow(0, start, size)), params)
         del z
         if grads[0]:
-            d_input[chunk] = torch.ops.pallas.matmul(dz, weight)
+            d_input.append(torch.ops.pallas.matmul(dz, weight))
         if grads[1]:
-            d_weight += torch.ops.pallas.matmul(dz.t(), xc)
+            for acc, (v, n) in zip(d_weight, slices):
+                acc += torch.ops.pallas.matmul(dz.narrow(1, v, n).t(), xc)
         if grads[2]:
             d_bias += dz.sum(0, dtype=torch.float32)
-    loss = torch.cat(losses) if forward else None
-    lse = torch.cat(lses) if forward else lse
+    if forward:
+        loss = torch.cat(losses) if losses else x.new_zeros((0,), dtype=torch.float32)
+        lse = torch.cat(lses) if lses else x.new_zeros((0,), dtype=torch.float32)
+    else:
+        loss = None
+    if grads[0]:
+        d_input = torch.cat(d_input) if d_input else x.new_empty(x.shape)
+    if grads[1]:
+        d_weight = torch.cat(d_weight) if d_weight else weight.new_zeros(weight.shape)
     return (loss, lse, d_input,
             None if d_weight is None else d_weight.to(weight.dtype),
             None if d_bias is None else d_bias.to(weight.dtype))
@@ -206,8 +225,6 @@ def forward_implementation(input, weight, target, bias, ignore_index, reduction,
     loss_rows, lse, *found = _run_chunks(input, weight, t32, bias,
                                          _params(label_smoothing, softcap), scale=scale,
                                          grads=grads)
-    if input.shape[0] == 0:
-        loss_rows = lse = input.new_zeros((0,), dtype=torch.float32)
     found = [g if g is not None else _empty(ref) for g, ref in zip(found, (input, weight, weight))]
     return (_reduce(loss_rows, t32, reduction), lse, *found)
 
@@ -227,7 +244,11 @@ def _backward(ctx, grad_loss, *_):
     if not any(wanted):
         return (None,) * 9
     if all(done or not want for done, want in zip(ctx.computed, wanted)):
-        grads = [g * grad_loss if w else None for g, w in zip(found, wanted)]
+        # Scaled in place: no second d_weight in memory. The saved tensors'
+        # versions move, so a second backward through the graph
+        # (retain_graph) raises torch's "modified by an inplace operation"
+        # instead of scaling them twice.
+        grads = [g.mul_(grad_loss) if w else None for g, w in zip(found, wanted)]
     else:
         grads = torch.ops.pallas.linear_cross_entropy_backward(
             grad_loss, input, weight, target, bias, lse, *ctx.arguments, list(wanted))

@@ -137,10 +137,14 @@ def _ratios(benchmarks) -> None:
         by_group[b["group"]].append(b)
     for group in by_group.values():
         medians = {b["extra_info"].get("provider"): b["stats"]["median"] for b in group}
+        peaks = {b["extra_info"].get("provider"): b["extra_info"].get("peak_bytes")
+                 for b in group}
         for b in group:
             info = b["extra_info"]
             if "torch" in medians:
                 info["ratio_to_torch"] = medians["torch"] / b["stats"]["median"]
+            if "peak_bytes" in info and peaks.get("torch"):
+                info["peak_vs_torch"] = info["peak_bytes"] / peaks["torch"]
             # Timed round by round against torch (bench_models.py's Partner):
             # the ratio of those rounds, which share the machine's load.
             if "torch_median_interleaved" in info:

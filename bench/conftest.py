@@ -143,6 +143,8 @@ def _ratios(benchmarks) -> None:
             info = b["extra_info"]
             if "torch" in medians:
                 info["ratio_to_torch"] = medians["torch"] / b["stats"]["median"]
+            if "torch.compile" in medians:  # on a GPU
+                info["ratio_to_compiled"] = medians["torch.compile"] / b["stats"]["median"]
             if "peak_bytes" in info and peaks.get("torch"):
                 info["peak_vs_torch"] = info["peak_bytes"] / peaks["torch"]
             # Timed round by round against torch (bench_models.py's Partner):

@@ -14,7 +14,14 @@ mosaic_gpu backend), meant to finish in a few minutes and need no network:
 4. attention: pallas::attention on each backend checked first (forward and
    every gradient against float64, ragged, GQA, causal, masks), then timed
    at bfloat16, head dim 128, sequence 4096 and 8192, causal and not,
-   forward and forward+backward, against torch's SDPA on its flash backend.
+   forward and forward+backward, against torch's SDPA on its flash backend;
+5. every registered op's example calls (the training ops' forward and
+   backward ops included) on each backend against their float64
+   references, then the training ops' benchmark suites (rms_norm,
+   layer_norm, rotary_embedding, swiglu, linear_cross_entropy and the
+   patched Llama training step of bench_models.py) with pytest-benchmark:
+   speed against torch eager and compiled, and peak memory
+   (torch.cuda.max_memory_allocated).
 
     python bench/gpu_check.py [--quick] [--tune]
 
@@ -31,6 +38,7 @@ import argparse
 import contextlib
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -161,6 +169,49 @@ def check_compile(failures: list[str]) -> None:
         print(f"  {'compile':<11} {name:<52} {'ok' if good else 'WRONG'}")
         if not good:
             failures.append(f"compile: {name}")
+
+
+def check_examples(backend: str, failures: list[str]) -> None:
+    """Every registered op's example calls on CUDA against their float64
+    references and bounds (the ones the CPU tests check on the simulators)."""
+    import torch_pallas
+    from torch_pallas.runtime import registry
+
+    for info in registry.ops():
+        for i, example in enumerate(info.examples(torch.device("cuda"), False)):
+            name = f"{info.name} example {i}"
+            try:
+                with torch_pallas.backend(backend):
+                    worst, within = example.error(info.function(*example.args, **example.kwargs))
+                print(f"  {backend:<11} {name:<44} {'ok' if within else 'WRONG'} max err {worst:.3g}")
+                if not within:
+                    failures.append(f"{backend}: {name} max err {worst:.3g}")
+            except Exception as e:
+                traceback.print_exc()
+                failures.append(f"{backend}: {name} raised {type(e).__name__}: {e}")
+
+
+TRAINING_SUITES = ("bench_rms_norm.py", "bench_layer_norm.py", "bench_rotary_embedding.py",
+                   "bench_swiglu.py", "bench_linear_cross_entropy.py")
+
+
+JSON_NAME = "torch_pallas_gpu_check_training.json"
+
+
+def run_training_benchmarks(failures: list[str], quick: bool) -> None:
+    """The training ops' suites (and the Llama step unless `quick`), their
+    table printed by bench/conftest.py, the JSON in the temporary
+    directory."""
+    suites = [f"bench/{name}" for name in TRAINING_SUITES if (ROOT / "bench" / name).exists()]
+    if not quick:
+        suites.append("bench/bench_models.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *suites,
+         "--benchmark-only", f"--benchmark-json={Path(tempfile.gettempdir()) / JSON_NAME}"],
+        cwd=ROOT,
+    )
+    if result.returncode != 0:
+        failures.append("the training ops' benchmarks failed")
 
 
 def run_gpu_tests(failures: list[str]) -> None:
@@ -339,10 +390,12 @@ def main(argv=None) -> int:
     for backend in gpu_backends():
         check_ops(backend, failures)
         check_attention(backend, failures)
+        check_examples(backend, failures)
     check_compile(failures)
     run_gpu_tests(failures)
     rows = time_matmuls(args.quick, args.tune)
     attention_rows = time_attention(args.quick)
+    run_training_benchmarks(failures, args.quick)
 
     print(f"\nmatmul, median of triton.testing.do_bench ({time.time() - start:.0f} s in all)")
     print(f"{'shape':<16} {'dtype':<9} {'provider':<20} {'TFLOP/s':>8} {'x torch':>8}")

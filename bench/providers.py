@@ -5,7 +5,9 @@
   here (the simulators only at the smallest size: they time a simulation);
 - ``jax[<backend>]``: the same compiled kernel called on JAX arrays, which
   shows what the torch <-> JAX bridge costs;
-- ``triton``: the op on the Triton backend, where a GPU exists.
+- ``triton``: the op on the Triton backend, where a GPU exists;
+- ``torch.compile``: on a GPU, torch's op (or composition) compiled by
+  torch.compile: the bar the fused training ops must clear there.
 
 A provider's `prepare(op, inputs, params)` returns a callable that runs one
 call and synchronises the device inside it.
@@ -66,6 +68,8 @@ def providers() -> list[Provider]:
     CPU interpreter aside: it times an interpreter), as the torch op and,
     for the Pallas families, as the bare JAX kernel."""
     found = [Provider("torch", None, "torch")]
+    if DEVICE.type == "cuda":
+        found.append(Provider("torch.compile", None, "compiled"))
     for b in backends.available(DEVICE.type):
         if b.family == "triton" and DEVICE.type == "cpu":
             continue
@@ -86,6 +90,8 @@ def prepare(provider: Provider, op: str, args: tuple, kwargs=None, kernel_inputs
     info = registry.get(op)
     if provider.kind == "torch":
         fn = info.torch_function
+    elif provider.kind == "compiled":
+        fn = torch.compile(info.torch_function)
     elif provider.kind == "pallas":
         pallas_op = info.function
         backend = provider.backend

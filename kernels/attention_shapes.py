@@ -37,6 +37,25 @@ Backward: `run(q, k, v, o, do, lse[, mask], *, scale, causal, config, **executio
   dq += scale * ds k, dk += scale * dsᵀ q, with no (L, S) tensor in memory
   on the GPU kernels.
 
+Dropout (`dropout_p` in (0, 1] among the params; absent, and no operand
+added, when 0): one more operand after the mask, `keys` (B, Hq, L) int32,
+and in both directions the attention probabilities P = softmax(s) are
+dropped as SDPA drops them in training: o = (P * Z) v with Z = keep / (1 -
+p). The keep bit of score (i, j) of batch b, query head h is one hash of
+global indices (so block sizes never change it), in uint32 arithmetic
+(int32 bits where a family has no unsigned type):
+
+    mix(x)        = lowbias32: x ^= x >> 16; x *= MIX_1; x ^= x >> 15;
+                    x *= MIX_2; x ^= x >> 16              (logical shifts)
+    absorb(r, n)  = mix(r + n * GOLDEN)                    (mod 2**32)
+    keys[b, h, i] = absorb(absorb(seed, b * Hq + h), i)    (the op layer's)
+    keep(i, j)    = absorb(keys[b, h, i], j) >> 8 >= round(p * 2**24)
+
+so each kernel hashes only (its row's key, the key index j). lse stays the
+undropped softmax's. The backward uses the forward's keys: dv += (p Z)ᵀ do,
+dp = (do vᵀ) Z, ds = p * (dp - delta), delta = rowsum(do * o) of the
+dropped o (FlashAttention-2's derivation: rowsum(P * dp) = rowsum(do * o)).
+
 `execution` is what the backend passes (kernels/spec.py).
 """
 
@@ -45,6 +64,12 @@ from __future__ import annotations
 import dataclasses
 
 MAX_HEAD_DIM = 256
+
+# The dropout hash's constants (see above): the golden ratio's odd 32-bit
+# multiplier, and lowbias32's (Wellons, "Hash function prospector", 2018).
+DROPOUT_GOLDEN = 0x9E3779B9
+DROPOUT_MIX = (0x7FEB352D, 0x846CA68B)
+DROPOUT_BITS = 24  # the hash's top bits compared with the threshold
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,3 +111,36 @@ def attention_flops(dims: AttentionDims, causal: bool) -> int:
     second), halved when causal (as FlashAttention counts them)."""
     flops = 2 * dims.batch * dims.q_heads * dims.q_len * dims.kv_len * (dims.head_dim + dims.value_dim)
     return flops // 2 if causal else flops
+
+
+def dropout_threshold(dropout_p: float) -> int:
+    """The kept scores' least hash value (top DROPOUT_BITS bits): p = 1
+    gives 2**24, which no hash reaches (all dropped)."""
+    return round(float(dropout_p) * 2**DROPOUT_BITS)
+
+
+def dropout_scale(dropout_p: float) -> float:
+    """What a kept probability is multiplied by: 1 / (1 - p) (0 for p = 1,
+    where nothing is kept)."""
+    return 0.0 if dropout_p >= 1.0 else 1.0 / (1.0 - float(dropout_p))
+
+
+def dropout_param(dropout_p: float) -> dict:
+    """A kernel body's dropout keyword: none without dropout, so that the
+    body traced then is the one traced before dropout existed."""
+    return {"dropout_p": float(dropout_p)} if dropout_p > 0 else {}
+
+
+def optional_operands(operands, dropout_p: float = 0.0) -> tuple:
+    """(mask or None, dropout keys or None) from the operands after the fixed
+    ones (q, k, v; or q, k, v, o, do, lse): `[mask][, keys]`, keys present
+    exactly when dropout_p > 0. Works on arrays and on avals alike."""
+    operands = tuple(operands)
+    keys = None
+    if dropout_p > 0:
+        if not operands:
+            raise ValueError(f"attention: dropout_p={dropout_p} needs the dropout keys operand")
+        *operands, keys = operands
+    if len(operands) > 1:
+        raise ValueError(f"attention: {len(operands)} operands where a mask or none is expected")
+    return (operands[0] if operands else None), keys

@@ -9,11 +9,13 @@ Three ops:
   flattened, a head axis for 3-D inputs, a boolean mask made additive), then
   calls the forward op; CompositeImplicitAutograd, so autograd, autocast and
   torch.compile see the two ops below.
-- `pallas::attention_forward(q, k, v, mask, scale, is_causal) -> (out, lse)`
-  on canonical tensors: the forward kernel, saving the row log-sum-exp.
+- `pallas::attention_forward(q, k, v, mask, scale, is_causal, dropout_p=0.0,
+  seed=None) -> (out, lse)` on canonical tensors: the forward kernel,
+  saving the row log-sum-exp.
 - `pallas::attention_backward(q, k, v, out, grad_out, lse, mask, scale,
-  is_causal) -> (dq, dk, dv)`: FlashAttention-2's backward kernels, which
-  recompute the probabilities block by block from lse.
+  is_causal, dropout_p=0.0, seed=None) -> (dq, dk, dv)`: FlashAttention-2's
+  backward kernels, which recompute the probabilities block by block from
+  lse (and the dropout mask from the same seed).
 
 Keys and values with fewer heads than the query (GQA, MQA: `enable_gqa`, or
 one head broadcast) are read in place, never repeated. A batch dimension
@@ -23,9 +25,24 @@ is not.
 
 Where torch allows both `attn_mask` and `is_causal` (its CPU kernels), both
 apply. A row that sees no key gives 0, and gradients 0, as torch gives.
-`dropout_p > 0` raises: the kernels have no dropout. A float mask's own
-gradient (rare: a learned bias) is computed from the saved statistics with
-torch ops, at the cost of one (L, S) tensor per head.
+A float mask's own gradient (rare: a learned bias) is computed from the
+saved statistics with torch ops, at the cost of one (L, S) tensor per head.
+
+Dropout (`dropout_p > 0`, as SDPA in training): each attention probability
+is kept with probability 1 - p and scaled by 1 / (1 - p), out =
+dropout(softmax(s)) @ v; p = 1 gives zeros. The mask is never in memory:
+the composite draws a 32-bit seed from torch's generator (so
+`torch.manual_seed` reproduces it in eager, and under torch.compile it is
+one more random op in the graph) and hands it to the forward op, which
+hashes it with each (batch·head, query row) into the rows' keys (B, Hq, L)
+int32 for the kernels; every kernel hashes a row's key with the key index
+into the keep bit (kernels/attention_shapes.py: one hash in every family,
+on global indices, so any backend and any block sizes give the same mask
+for a seed). The backward op gets the same seed from the autograd context.
+`dropout_keep` gives that mask for a seed, in torch, for references. The
+statistics match SDPA's, not its bits (torch's own dropout draws its mask
+differently). `dropout_p = 0` adds nothing: no seed, no keys, the kernels
+as they were.
 """
 
 from __future__ import annotations
@@ -34,7 +51,9 @@ import math
 
 import torch
 
-from torch_pallas.kernels.attention_shapes import MAX_HEAD_DIM, AttentionDims, attention_flops
+from torch_pallas.kernels.attention_shapes import (DROPOUT_BITS, DROPOUT_GOLDEN, DROPOUT_MIX,
+                                                   MAX_HEAD_DIM, AttentionDims, attention_flops,
+                                                   dropout_scale, dropout_threshold)
 from torch_pallas.base import dtypes
 from torch_pallas.runtime import launch, registry
 from torch_pallas.library import registration
@@ -77,10 +96,6 @@ def _check(query, key, value, attn_mask, dropout_p, enable_gqa):
                 f"kernels take 1 to {MAX_HEAD_DIM}")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"{OP}: dropout_p must be a float in [0, 1], got {dropout_p!r}")
-    if dropout_p > 0.0:
-        raise NotImplementedError(
-            f"{OP}: dropout_p={dropout_p} is not supported (the kernels have no dropout); "
-            "pass dropout_p=0.0, or use torch.nn.functional.scaled_dot_product_attention")
     if enable_gqa:
         hq, hk, hv = _heads(query), _heads(key), _heads(value)
         if hk != hv or hq % hk:
@@ -159,15 +174,39 @@ def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
     mask = None
     if attn_mask is not None:
         mask = _canonical_mask(attn_mask, query.dtype, outer, heads, length, kv_length)
-    out, _ = torch.ops.pallas.attention_forward(q, k, v, mask, scale, bool(is_causal))
+    if dropout_p > 0:
+        out, _ = torch.ops.pallas.attention_forward(q, k, v, mask, scale, bool(is_causal),
+                                                    float(dropout_p), dropout_seed(query.device))
+    else:
+        out, _ = torch.ops.pallas.attention_forward(q, k, v, mask, scale, bool(is_causal))
     has_heads = max(query.dim(), key.dim(), value.dim()) >= 3
     return out.reshape(*outer, *((heads,) if has_heads else ()), length, value_dim)
 
 
 # --- the forward op --------------------------------------------------------
 
-def _params(scale: float, is_causal: bool) -> dict:
-    return {"scale": float(scale), "causal": bool(is_causal)}
+def _params(scale: float, is_causal: bool, dropout_p: float = 0.0) -> dict:
+    """The kernels' static parameters; `dropout_p` only when dropping, so
+    that a call without dropout is the same kernel as ever."""
+    params = {"scale": float(scale), "causal": bool(is_causal)}
+    if dropout_p > 0:
+        params["dropout_p"] = float(dropout_p)
+    return params
+
+
+def _dropout_operands(q: torch.Tensor, dropout_p: float, seed, where: str) -> tuple:
+    """What the kernels take for dropout: the rows' keys (B, Hq, L) hashed
+    from the seed (nothing without dropout)."""
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"{where}: dropout_p must be in [0, 1], got {dropout_p!r}")
+    if dropout_p == 0:
+        return ()
+    if seed is None or seed.numel() != 1 or seed.dtype.is_floating_point or seed.is_complex():
+        got = None if seed is None else (seed.dtype, tuple(seed.shape))
+        raise ValueError(f"{where}: dropout_p={dropout_p} needs a one-element integer seed "
+                         f"(dropout_seed), got {got}")
+    b, hq, length = q.shape[:3]
+    return (dropout_row_keys(seed, b * hq, length).reshape(b, hq, length),)
 
 
 def _dims(q, k, v) -> AttentionDims:
@@ -175,46 +214,52 @@ def _dims(q, k, v) -> AttentionDims:
                          q.shape[3], v.shape[3])
 
 
-def _forward_fake(q, k, v, mask, scale, is_causal):
+def _forward_fake(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=None):
     b, hq, l, _ = q.shape
     return q.new_empty((b, hq, l, v.shape[-1])), q.new_empty((b, hq, l), dtype=torch.float32)
 
 
 def forward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                           mask: torch.Tensor | None, scale: float,
-                           is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                           mask: torch.Tensor | None, scale: float, is_causal: bool,
+                           dropout_p: float = 0.0, seed: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _forward_fake(q, k, v, mask, scale, is_causal)
+    dropping = _dropout_operands(q, dropout_p, seed, "pallas::attention_forward")
     if out.numel() == 0:
         return out, lse.fill_(float("inf"))
     if k.shape[2] == 0:  # no keys: every row sees nothing
         return out.zero_(), lse.fill_(float("inf"))
-    inputs = (q, k, v) if mask is None else (q, k, v, mask)
-    return launch.run("attention", q.device, inputs, _params(scale, is_causal))
+    inputs = (q, k, v) + (() if mask is None else (mask,)) + dropping
+    return launch.run("attention", q.device, inputs, _params(scale, is_causal, dropout_p))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, scale, is_causal = inputs
+    # The dispatcher passes the arguments given: the dropout ones may be absent.
+    q, k, v, mask, scale, is_causal, dropout_p, seed = (*inputs, *(0.0, None)[len(inputs) - 6:])
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, mask, out, lse)
-    ctx.params = (scale, is_causal)
+    ctx.save_for_backward(q, k, v, mask, out, lse, seed)
+    ctx.params = (scale, is_causal, dropout_p, len(inputs))
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, mask, out, lse = ctx.saved_tensors
-    scale, is_causal = ctx.params
+    q, k, v, mask, out, lse, seed = ctx.saved_tensors
+    scale, is_causal, dropout_p, num_inputs = ctx.params
     dq = dk = dv = dmask = None
     if any(ctx.needs_input_grad[:3]):
         dq, dk, dv = torch.ops.pallas.attention_backward(
-            q, k, v, out, grad_out, lse, mask, scale, is_causal)
+            q, k, v, out, grad_out, lse, mask, scale, is_causal, dropout_p, seed)
     if ctx.needs_input_grad[3]:
-        dmask = _mask_gradient(q, k, v, mask, out, grad_out, lse, scale, is_causal)
-    return dq, dk, dv, dmask, None, None
+        dmask = _mask_gradient(q, k, v, mask, out, grad_out, lse, scale, is_causal, dropout_p,
+                               seed)
+    return (dq, dk, dv, dmask) + (None,) * (num_inputs - 4)
 
 
-def _mask_gradient(q, k, v, mask, out, grad_out, lse, scale, is_causal):
-    """d loss / d mask = the scores' gradient, p * (dp - delta), summed over
-    the mask's broadcast batch and heads; torch ops in float32."""
+def _mask_gradient(q, k, v, mask, out, grad_out, lse, scale, is_causal, dropout_p=0.0,
+                   seed=None):
+    """d loss / d mask = the scores' gradient, p * (dp Z - delta) (Z the
+    dropout's kept-and-scaled mask, 1 without dropout), summed over the
+    mask's broadcast batch and heads; torch ops in float32."""
     group = q.shape[1] // k.shape[1]
     k32 = k.float().repeat_interleave(group, dim=1)
     v32 = v.float().repeat_interleave(group, dim=1)
@@ -223,6 +268,9 @@ def _mask_gradient(q, k, v, mask, out, grad_out, lse, scale, is_causal):
         scores = scores.masked_fill(_causal_hidden(q.shape[2], k.shape[2], q.device), float("-inf"))
     p = torch.exp(scores - lse.unsqueeze(-1))
     dp = grad_out.float() @ v32.mT
+    if dropout_p > 0:
+        keep = dropout_keep(seed, (*q.shape[:3], k.shape[2]), dropout_p)
+        dp = dp * keep * dropout_scale(dropout_p)
     delta = (grad_out.float() * out.float()).sum(-1, keepdim=True)
     return (p * (dp - delta)).sum_to_size(mask.shape).to(mask.dtype)
 
@@ -243,7 +291,8 @@ registration.define(
 )
 
 
-def _autocast_call(device_type: str, q, k, v, mask, scale, is_causal):
+def _autocast_call(device_type: str, q, k, v, mask, scale, is_causal, dropout_p=0.0,
+                   seed=None):
     """Under torch.autocast, floating inputs are cast to its dtype, as torch
     casts scaled_dot_product_attention's."""
     dtype = torch.get_autocast_dtype(device_type)
@@ -254,7 +303,7 @@ def _autocast_call(device_type: str, q, k, v, mask, scale, is_causal):
         return t if t.dtype == torch.float64 else t.to(dtype)
 
     return torch.ops.pallas.attention_forward(cast(q), cast(k), cast(v), cast(mask), scale,
-                                              is_causal)
+                                              is_causal, dropout_p, seed)
 
 
 registration.register_autocast("pallas::attention_forward", _autocast_call)
@@ -262,7 +311,8 @@ registration.register_autocast("pallas::attention_forward", _autocast_call)
 
 # --- the backward op -------------------------------------------------------
 
-def _backward_fake(q, k, v, out, grad_out, lse, mask, scale, is_causal):
+def _backward_fake(q, k, v, out, grad_out, lse, mask, scale, is_causal, dropout_p=0.0,
+                   seed=None):
     # Contiguous, as the kernels write them, whatever the inputs' layout
     # (empty_like would promise q's strides: a transposed view's, in a model).
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -270,15 +320,18 @@ def _backward_fake(q, k, v, out, grad_out, lse, mask, scale, is_causal):
 
 def backward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
-                            mask: torch.Tensor | None, scale: float,
-                            is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            mask: torch.Tensor | None, scale: float, is_causal: bool,
+                            dropout_p: float = 0.0, seed: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if grad_out.dtype != q.dtype:
         raise TypeError(f"pallas::attention_backward: grad_out has dtype {grad_out.dtype}, "
                         f"q {q.dtype}; they must be the same")
+    dropping = _dropout_operands(q, dropout_p, seed, "pallas::attention_backward")
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0 or out.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    inputs = (q, k, v, out, grad_out, lse) + (() if mask is None else (mask,))
-    return launch.run("attention_backward", q.device, inputs, _params(scale, is_causal))
+    inputs = (q, k, v, out, grad_out, lse) + (() if mask is None else (mask,)) + dropping
+    return launch.run("attention_backward", q.device, inputs,
+                      _params(scale, is_causal, dropout_p))
 
 
 def _backward_flops(q_shape, k_shape, v_shape, *args, out_shape, **kwargs) -> int:
@@ -312,31 +365,110 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               enable_gqa: bool = False) -> torch.Tensor:
     """`torch.nn.functional.scaled_dot_product_attention` on the Pallas
     attention kernels: same arguments, same results (float32 softmax
-    statistics), differentiable (FlashAttention-2's backward). `dropout_p`
-    must be 0."""
+    statistics), differentiable (FlashAttention-2's backward), with SDPA's
+    dropout when `dropout_p > 0` (the mask drawn from torch's generator)."""
     return torch.ops.pallas.attention(query, key, value, attn_mask, dropout_p, is_causal,
                                       scale=scale, enable_gqa=enable_gqa)
 
 
-def attention_backward(q, k, v, out, grad_out, lse, mask=None, scale=None, is_causal=False):
+def attention_backward(q, k, v, out, grad_out, lse, mask=None, scale=None, is_causal=False,
+                       dropout_p=0.0, seed=None):
     """The backward op on canonical tensors (kernels/attention_shapes.py):
-    (dq, dk, dv) from the forward's `out` and `lse`."""
+    (dq, dk, dv) from the forward's `out` and `lse` (and, with dropout, its
+    seed)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return torch.ops.pallas.attention_backward(q, k, v, out, grad_out, lse, mask, scale,
-                                               is_causal)
+                                               is_causal, dropout_p, seed)
+
+
+# --- dropout: the seed, the rows' keys and the keep mask --------------------
+#
+# The hash of kernels/attention_shapes.py in int64 torch arithmetic on
+# values in [0, 2**32) (torch has no wrapping uint32 products): what the
+# composite hands the kernels, and the mask references are built from.
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), in halves of c, so that no
+    int64 product overflows."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, DROPOUT_MIX[0])
+    x = x ^ (x >> 15)
+    x = _mul32(x, DROPOUT_MIX[1])
+    return x ^ (x >> 16)
+
+
+def _absorb(key: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return _mix((key + _mul32(index, DROPOUT_GOLDEN)) & _MASK32)
+
+
+def dropout_seed(device) -> torch.Tensor:
+    """A 32-bit seed (0-d int64) drawn from torch's generator for `device`."""
+    return torch.randint(0, 2**32, (), dtype=torch.int64, device=device)
+
+
+def dropout_row_keys(seed: torch.Tensor, rows: int, length: int) -> torch.Tensor:
+    """(rows, length) int32: the key of query row i of batch·head n, the
+    seed hashed with n, then i (the bits of a uint32)."""
+    device = seed.device
+    n = torch.arange(rows, dtype=torch.int64, device=device).unsqueeze(-1)
+    i = torch.arange(length, dtype=torch.int64, device=device)
+    keys = _absorb(_absorb(seed.to(torch.int64) & _MASK32, n), i)
+    return torch.where(keys >= 2**31, keys - 2**32, keys).to(torch.int32)
+
+
+def dropout_keep(seed: torch.Tensor, scores_shape, dropout_p: float) -> torch.Tensor:
+    """The keep mask the kernels use for `seed`, as a bool tensor of the
+    attention scores' shape (..., L, S) (batch and head dimensions
+    flattened in order, as the op flattens them)."""
+    *lead, length, kv_length = scores_shape
+    keys = dropout_row_keys(seed, math.prod(lead), length).to(torch.int64) & _MASK32
+    j = torch.arange(kv_length, dtype=torch.int64, device=seed.device)
+    bits = _absorb(keys.unsqueeze(-1), j)
+    return ((bits >> (32 - DROPOUT_BITS)) >= dropout_threshold(dropout_p)).reshape(scores_shape)
 
 
 # --- references and examples -----------------------------------------------
 
 def reference(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-              scale=None, enable_gqa=False) -> torch.Tensor:
+              scale=None, enable_gqa=False, keep=None) -> torch.Tensor:
     """torch's scaled_dot_product_attention in float64, a causal rule added
-    to the mask (so that both may apply) and rows that see nothing 0."""
+    to the mask (so that both may apply) and rows that see nothing 0. With
+    dropout, `keep` (the scores' shape, e.g. from `dropout_keep`) is the
+    mask: softmax, then kept entries times 1 / (1 - p), then @ value."""
     mask = reference_mask(attn_mask, is_causal, query.shape[-2], key.shape[-2])
+    if dropout_p > 0:
+        return dropout_reference(query.double(), key.double(), value.double(), mask,
+                                 dropout_p, keep, scale=scale, enable_gqa=enable_gqa)
     out = torch.nn.functional.scaled_dot_product_attention(
         query.double(), key.double(), value.double(), attn_mask=mask, scale=scale,
         enable_gqa=enable_gqa)
     return torch.nan_to_num(out, nan=0.0)
+
+
+def dropout_reference(query, key, value, mask, dropout_p, keep, *, scale=None,
+                      enable_gqa=False) -> torch.Tensor:
+    """Attention with an explicit dropout mask, in the inputs' dtype: SDPA's
+    math (softmax, dropout, @ value) with `keep` as the mask; `mask` additive
+    or None; rows that see nothing 0, with gradients 0 (not NaN)."""
+    if keep is None:
+        raise ValueError("attention reference: dropout needs the keep mask (dropout_keep)")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if enable_gqa:
+        group = query.shape[-3] // key.shape[-3]
+        key, value = (t.repeat_interleave(group, -3) for t in (key, value))
+    scores = (query @ key.mT) * scale
+    if mask is not None:
+        scores = scores + mask.to(scores.dtype)
+    empty = (scores == float("-inf")).all(-1, keepdim=True)
+    p = torch.softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    return (p * keep * dropout_scale(dropout_p)) @ value
 
 
 def reference_mask(attn_mask, is_causal: bool, length: int, kv_length: int):

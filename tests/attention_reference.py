@@ -4,9 +4,10 @@ tests of every family share.
 
 The reference is torch's own scaled_dot_product_attention in float64 (GQA
 through enable_gqa, the additive mask, causal as a -inf mask so that both may
-apply), differentiated by torch's autograd. A kernel's error may be at most
-twice torch's own error in the same dtype, plus a small absolute floor
-(after flash-attention's tests).
+apply), differentiated by torch's autograd; with dropout, SDPA's math with
+the kernels' keep mask (ops/attention.py, dropout_reference and
+dropout_keep). A kernel's error may be at most twice torch's own error in
+the same dtype, plus a small absolute floor (after flash-attention's tests).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+
+from torch_pallas.ops import attention as attention_op
 
 # The absolute floor per dtype, for values of order 1.
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -31,19 +34,46 @@ class Case:
     mask: torch.Tensor | None
     causal: bool
     scale: float
+    dropout_p: float = 0.0
+    seed: torch.Tensor | None = None  # the dropout's, with dropout_p > 0
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The rows' dropout keys (B, Hq, L) the op would hand the kernels."""
+        if self.dropout_p <= 0:
+            return None
+        b, hq, l = self.q.shape[:3]
+        return attention_op.dropout_row_keys(self.seed, b * hq, l).reshape(b, hq, l)
+
+    @property
+    def keep(self) -> torch.Tensor:
+        return attention_op.dropout_keep(self.seed, (*self.q.shape[:3], self.k.shape[2]),
+                                         self.dropout_p)
+
+    @property
+    def extra(self) -> tuple:
+        """The operands after the fixed ones: [mask][, dropout keys]."""
+        return tuple(t for t in (self.mask, self.keys) if t is not None)
 
     @property
     def inputs(self) -> tuple:
-        return (self.q, self.k, self.v) + ((self.mask,) if self.mask is not None else ())
+        return (self.q, self.k, self.v) + self.extra
+
+    @property
+    def params(self) -> dict:
+        """The kernels' static parameters for this call."""
+        params = dict(scale=self.scale, causal=self.causal)
+        return params | ({"dropout_p": self.dropout_p} if self.dropout_p > 0 else {})
 
 
 def make_case(b=2, hq=4, hkv=2, l=37, s=45, e=32, ev=None, dtype=torch.float32, *,
-              causal=False, mask=None, scale=None, mask_dtype=None,
+              causal=False, mask=None, scale=None, mask_dtype=None, dropout_p=0.0,
               generator=None) -> Case:
     """Random inputs. mask: None, "full" (B, Hq, L, S), "batch" (B, 1, L, S),
     "heads" (1, Hq, L, S), "shared" (1, 1, L, S), each random with about a
     quarter of the entries -inf (and, for "padding", whole key columns
-    masked per batch), or "empty_rows" (some query rows fully masked)."""
+    masked per batch), or "empty_rows" (some query rows fully masked).
+    dropout_p > 0: a random dropout seed."""
     ev = e if ev is None else ev
 
     def randn(*shape):
@@ -60,7 +90,8 @@ def make_case(b=2, hq=4, hkv=2, l=37, s=45, e=32, ev=None, dtype=torch.float32, 
             hidden[:, :, ::3, :] = True  # every third query row sees nothing
         additive = additive.masked_fill(hidden, float("-inf")).to(mask_dtype or dtype)
     scale = (1.0 / e**0.5) if scale is None else scale
-    return Case(q, k, v, additive, causal, scale)
+    seed = torch.randint(0, 2**32, (), generator=generator) if dropout_p > 0 else None
+    return Case(q, k, v, additive, causal, scale, dropout_p, seed)
 
 
 def reference_mask(case: Case, dtype=torch.float64) -> torch.Tensor | None:
@@ -75,9 +106,13 @@ def reference_mask(case: Case, dtype=torch.float64) -> torch.Tensor | None:
 
 
 def _sdpa(case: Case, q, k, v, dtype):
+    gqa = case.q.shape[1] != case.k.shape[1]
+    if case.dropout_p > 0:  # SDPA's math with the kernels' mask
+        return attention_op.dropout_reference(q, k, v, reference_mask(case, dtype),
+                                              case.dropout_p, case.keep, scale=case.scale,
+                                              enable_gqa=gqa)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=reference_mask(case, dtype), scale=case.scale,
-        enable_gqa=case.q.shape[1] != case.k.shape[1])
+        q, k, v, attn_mask=reference_mask(case, dtype), scale=case.scale, enable_gqa=gqa)
 
 
 def reference(case: Case, do: torch.Tensor | None = None):

@@ -2,7 +2,8 @@
 attention_backward.py): simulated in Mosaic GPU interpret mode
 (`mosaic_gpu_interpret`) against the float64 reference of
 tests/attention_reference.py on small ragged calls (decode, L > S causal,
-S = 1, GQA and MQA, every mask kind, odd head dims, both 16-bit dtypes), and
+S = 1, GQA and MQA, every mask kind, odd head dims, both 16-bit dtypes,
+dropout), and
 lowered for sm_90a with every configuration select_config ships (the
 simulator checks values; the lowering checks wgmma layouts and dtypes, SMEM
 budget and the MLIR verifier, which the simulator skips).
@@ -44,12 +45,12 @@ def lse_bound(ref_lse):
 
 
 def run_forward(case):
-    return run_kernel(FORWARD, SIMULATOR, case.inputs, scale=case.scale, causal=case.causal)
+    return run_kernel(FORWARD, SIMULATOR, case.inputs, **case.params)
 
 
 def run_backward(case, o, do, lse):
-    inputs = (case.q, case.k, case.v, o, do, lse) + (() if case.mask is None else (case.mask,))
-    return run_kernel(BACKWARD, SIMULATOR, inputs, scale=case.scale, causal=case.causal)
+    inputs = (case.q, case.k, case.v, o, do, lse) + case.extra
+    return run_kernel(BACKWARD, SIMULATOR, inputs, **case.params)
 
 
 def check_forward(case, o, lse, ref, errors):
@@ -82,8 +83,9 @@ def check_case(case):
 # simulator; the forward and, on its o and lse, the backward.
 CASES = [
     ("gqa-ragged-bf16", dict(b=1, hq=4, hkv=2, l=37, s=45, e=32, dtype=BF16)),
-    ("mqa-causal-multiblock-E40-Ev24", dict(b=1, hq=2, hkv=1, l=70, s=150, e=40, ev=24,
-                                            causal=True, dtype=F16)),
+    # Dropout's mask hashed per tile from global indices, over several blocks.
+    ("mqa-causal-multiblock-E40-Ev24-dropout", dict(b=1, hq=2, hkv=1, l=70, s=150, e=40, ev=24,
+                                                    causal=True, dtype=F16, dropout_p=0.3)),
     ("decode-mqa", dict(b=1, hq=4, hkv=1, l=1, s=45, e=64, dtype=BF16)),
     ("causal-L>S-shared-f32-mask", dict(b=1, hq=2, hkv=1, l=50, s=20, e=32, causal=True,
                                         dtype=F16, mask="shared", mask_dtype=F32)),
@@ -258,24 +260,30 @@ def lower_for_hopper(f, avals) -> str:
 
 
 def attention_avals(e, ev, mask_dtype, dtype="bfloat16", b=2, hq=4, hkv=2, l=300, s=500,
-                    mask_heads=1, saved=False):
-    """Avals of a forward call, or with `saved` of a backward call."""
+                    mask_heads=1, saved=False, dropout=False):
+    """Avals of a forward call, or with `saved` of a backward call (with
+    `dropout`, the rows' keys last)."""
     avals = (((b, hq, l, e), dtype), ((b, hkv, s, e), dtype), ((b, hkv, s, ev), dtype))
     if saved:
         avals += (((b, hq, l, ev), dtype), ((b, hq, l, ev), dtype), ((b, hq, l), "float32"))
-    return avals + (() if mask_dtype is None else (((b, mask_heads, l, s), mask_dtype),))
+    avals += () if mask_dtype is None else (((b, mask_heads, l, s), mask_dtype),)
+    return avals + ((((b, hq, l), "int32"),) if dropout else ())
 
 
-def lower_forward(avals, causal, config=None):
-    params = {"scale": 0.125, "causal": causal}
+def lower_params(causal, dropout_p):
+    return {"scale": 0.125, "causal": causal} | ({"dropout_p": dropout_p} if dropout_p else {})
+
+
+def lower_forward(avals, causal, config=None, dropout_p=0.0):
+    params = lower_params(causal, dropout_p)
     config = config or forward.KERNEL.config("mosaic_gpu", avals, params, H100)
     lower_for_hopper(lambda *a: forward.attention(*a, **params, config=config, interpret=None),
                      avals)
     return config
 
 
-def lower_backward(avals, causal, config=None):
-    params = {"scale": 0.125, "causal": causal}
+def lower_backward(avals, causal, config=None, dropout_p=0.0):
+    params = lower_params(causal, dropout_p)
     config = config or backward.KERNEL.config("mosaic_gpu", avals, params, H100)
     lower_for_hopper(lambda *a: backward.attention_backward(*a, **params, config=config,
                                                             interpret=None), avals)
@@ -336,16 +344,18 @@ def test_the_simulators_configs_lower_for_hopper():
         lower_backward(avals, True, dataclasses.replace(config, num_programs=H100.core_count))
 
 
-@pytest.mark.parametrize("e,ev,mask_dtype,causal,mask_heads", [
-    (40, 24, "float16", True, 4),  # odd head dims, a per-head 16-bit mask
-    (128, 128, "float32", False, 1),  # not causal, a shared float32 mask
-    (256, 64, None, False, 1),
+@pytest.mark.parametrize("e,ev,mask_dtype,causal,mask_heads,dropout_p", [
+    (40, 24, "float16", True, 4, 0.0),  # odd head dims, a per-head 16-bit mask
+    (128, 128, "float32", False, 1, 0.0),  # not causal, a shared float32 mask
+    (256, 64, None, False, 1, 0.0),
+    (256, 256, "float32", True, 4, 0.5),  # dropout where shared memory is tightest
 ], ids=str)
-def test_call_classes_lower_for_hopper(e, ev, mask_dtype, causal, mask_heads):
+def test_call_classes_lower_for_hopper(e, ev, mask_dtype, causal, mask_heads, dropout_p):
     dtype = "float16" if mask_dtype == "float16" else "bfloat16"
-    lower_forward(attention_avals(e, ev, mask_dtype, dtype, mask_heads=mask_heads), causal)
-    lower_backward(attention_avals(e, ev, mask_dtype, dtype, mask_heads=mask_heads, saved=True),
-                   causal)
+    lower_forward(attention_avals(e, ev, mask_dtype, dtype, mask_heads=mask_heads,
+                                  dropout=dropout_p > 0), causal, dropout_p=dropout_p)
+    lower_backward(attention_avals(e, ev, mask_dtype, dtype, mask_heads=mask_heads, saved=True,
+                                   dropout=dropout_p > 0), causal, dropout_p=dropout_p)
 
 
 def test_decode_and_mqa_lower_for_hopper():

@@ -1,10 +1,10 @@
 """The TPU attention kernels (kernels/tpu/attention.py, attention_backward.py)
 against the float64 reference of tests/attention_reference.py: on
 `interpret` (the batched body, JAX's generic interpreter) across shapes,
-masks, GQA, causal and dtypes, including forced small blocks that take the
-key-chunk loops; on `tpu_interpret` (the pipelined TPU body, 2 simulated
-TensorCores, race detection) on a few tiny multi-block cases; lowered for a
-TPU; and the batched body's memory bound."""
+masks, GQA, causal, dtypes and dropout, including forced small blocks that
+take the key-chunk loops; on `tpu_interpret` (the pipelined TPU body, 2
+simulated TensorCores, race detection) on a few tiny multi-block cases;
+lowered for a TPU; and the batched body's memory bound."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def check(backend_name, case, *, config=None, detect_races=False, backward=True)
     """Forward (o, lse) and, with `backward`, (dq, dk, dv) against the float64
     reference, within twice torch's own error plus the dtype's floor."""
     dtype = case.q.dtype
-    params = dict(scale=case.scale, causal=case.causal)
+    params = case.params
     o, lse = run(FORWARD, backend_name, case.inputs, config=config,
                  detect_races=detect_races, **params)
     assert o.dtype == dtype and lse.dtype == torch.float32
@@ -78,8 +78,7 @@ def check(backend_name, case, *, config=None, detect_races=False, backward=True)
                   torch.full_like(ref[1], 4 * bound(torch.zeros(()), dtype).item()))
     if not backward:
         return
-    mask = () if case.mask is None else (case.mask,)
-    grads = run(BACKWARD, backend_name, (case.q, case.k, case.v, o, do, lse, *mask),
+    grads = run(BACKWARD, backend_name, (case.q, case.k, case.v, o, do, lse, *case.extra),
                 config=config, detect_races=detect_races, **params)
     for name, g, r, e in zip(("dq", "dk", "dv"), grads, ref[2], errors[1:]):
         assert g.dtype == dtype
@@ -138,8 +137,10 @@ SMALL = AttentionConfig(Body.BATCHED, block_q=16, block_k=16, block_b=1, block_h
 
 
 @pytest.mark.parametrize("kw", [dict(causal=True, mask="empty_rows"), dict(mask="heads", hkv=1),
-                                dict(l=70, s=23, causal=True, dtype=torch.bfloat16)],
-                         ids=["causal_empty_rows", "mqa_heads_mask", "bf16_l_gt_s"])
+                                dict(l=70, s=23, causal=True, dtype=torch.bfloat16),
+                                dict(b=1, l=40, s=53, mask="heads", dropout_p=0.3)],
+                         ids=["causal_empty_rows", "mqa_heads_mask", "bf16_l_gt_s",
+                              "dropout_heads_mask"])
 def test_interpret_chunked(kw):
     check("interpret", make_case(**kw), config=SMALL)
 
@@ -185,10 +186,12 @@ TPU_SMALL = AttentionConfig(Body.PIPELINED, block_q=16, block_k=128,
                             head_multiple=attention_blocks.LANES)
 
 TPU_CASES = {
-    # dk/dv's grid (1, 1, 2, 2 * 2) splits the key blocks over the cores.
-    "gqa_causal_bf16_f32_heads_mask": dict(b=1, hq=2, hkv=1, l=24, s=150, e=8, causal=True,
-                                           mask="heads", dtype=torch.bfloat16,
-                                           mask_dtype=torch.float32),
+    # dk/dv's grid (1, 1, 2, 2 * 2) splits the key blocks over the cores;
+    # dropout's mask hashed per (16-row, 128-key) block from global indices.
+    "gqa_causal_bf16_f32_heads_mask_dropout": dict(b=1, hq=2, hkv=1, l=24, s=150, e=8,
+                                                   causal=True, mask="heads",
+                                                   dtype=torch.bfloat16,
+                                                   mask_dtype=torch.float32, dropout_p=0.4),
     # B = Hq = 1: the 3 query blocks split unevenly over the cores.
     "one_head_causal_empty_rows": dict(b=1, hq=1, hkv=1, l=40, s=20, e=24, ev=8, causal=True,
                                        mask="empty_rows"),
@@ -203,15 +206,16 @@ def test_tpu_interpret_race_free(kw):
 # ---------------------------------------------------------------------------
 # Lowered for a TPU (2 TensorCores): every primitive has a Mosaic lowering
 
-LOWERED = {  # (dtype, Hkv, mask shape and dtype or None, causal), B=2, Hq=4, L=300, S=200
-    "float32_gqa_causal": ("float32", 2, None, True),
-    "bfloat16_mqa_heads_mask_f32": ("bfloat16", 1, ((1, 4), "float32"), False),
-    "float16_batch_mask_causal": ("float16", 4, ((2, 1), "float16"), True),
+LOWERED = {  # (dtype, Hkv, mask shape and dtype or None, causal, dropout_p), B=2, Hq=4,
+    # L=300, S=200
+    "float32_gqa_causal": ("float32", 2, None, True, 0.0),
+    "bfloat16_mqa_heads_mask_f32": ("bfloat16", 1, ((1, 4), "float32"), False, 0.0),
+    "float16_batch_mask_causal_dropout": ("float16", 4, ((2, 1), "float16"), True, 0.1),
 }
 
 
-@pytest.mark.parametrize("dtype,hkv,mask,causal", LOWERED.values(), ids=LOWERED.keys())
-def test_tpu_lowering(dtype, hkv, mask, causal):
+@pytest.mark.parametrize("dtype,hkv,mask,causal,dropout_p", LOWERED.values(), ids=LOWERED.keys())
+def test_tpu_lowering(dtype, hkv, mask, causal, dropout_p):
     import jax
     import jax.numpy as jnp
 
@@ -225,15 +229,18 @@ def test_tpu_lowering(dtype, hkv, mask, causal):
     b, hq, l, s, e, ev = 2, 4, 300, 200, 64, 40
     fwd = [aval((b, hq, l, e), dtype), aval((b, hkv, s, e), dtype), aval((b, hkv, s, ev), dtype)]
     extra = [aval((*mask[0], l, s), mask[1])] if mask else []
+    params = {"scale": 0.125, "causal": causal}
+    if dropout_p:
+        extra.append(aval((b, hq, l), "int32"))
+        params["dropout_p"] = dropout_p
     bwd = fwd + [aval((b, hq, l, ev), dtype)] * 2 + [aval((b, hq, l), "float32")] + extra
     fwd = fwd + extra
     for spec, avals in ((attention.KERNEL, fwd), (attention_backward.KERNEL, bwd)):
-        config = spec.config("tpu", tuple((a.shape, str(a.dtype)) for a in avals), {})
+        config = spec.config("tpu", tuple((a.shape, str(a.dtype)) for a in avals), params)
         assert config.body is Body.PIPELINED
 
         def f(*args, spec=spec, config=config):
-            return spec.run(*args, scale=0.125, causal=causal, config=config, num_cores=2,
-                            interpret=None)
+            return spec.run(*args, **params, config=config, num_cores=2, interpret=None)
 
         text = jax.jit(f).trace(*avals).lower(lowering_platforms=("tpu",)).as_text()
         assert "tpu_custom_call" in text, "no Mosaic TPU kernel in the lowered module"

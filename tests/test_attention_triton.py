@@ -2,8 +2,8 @@
 attention_backward.py) against the float64 reference of
 tests/attention_reference.py, in Triton's CPU interpreter where there is no
 GPU (conftest.py): ragged lengths, decode, L > S causal, S = 1, GQA and
-MQA, every mask kind, odd head dimensions, every dtype; and their launches
-as torch.compile records them (torch.library.wrap_triton)."""
+MQA, every mask kind, odd head dimensions, every dtype, dropout; and their
+launches as torch.compile records them (torch.library.wrap_triton)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def check_forward(case, o, lse):
 @pytest.mark.parametrize("kwargs", [c[1] for c in CASES], ids=[c[0] for c in CASES])
 def test_forward_matches_float64(kwargs):
     case = make_case(**kwargs)
-    o, lse = launch(FORWARD, case.inputs, scale=case.scale, causal=case.causal)
+    o, lse = launch(FORWARD, case.inputs, **case.params)
     check_forward(case, o, lse)
 
 
@@ -151,11 +151,11 @@ def check_backward(case, do, grads):
                       f"attention backward (triton) {case.q.dtype}: {name}")
 
 
-def run_backward(case, do, config=None):
+def run_backward(case, do, config=None, forward_config=None):
     """The forward's o and lse, then the backward kernel on them."""
-    o, lse = launch(FORWARD, case.inputs, scale=case.scale, causal=case.causal)
-    inputs = (case.q, case.k, case.v, o, do, lse) + (() if case.mask is None else (case.mask,))
-    return launch(BACKWARD, inputs, config, scale=case.scale, causal=case.causal)
+    o, lse = launch(FORWARD, case.inputs, forward_config, **case.params)
+    inputs = (case.q, case.k, case.v, o, do, lse) + case.extra
+    return launch(BACKWARD, inputs, config, **case.params)
 
 
 @pytest.mark.parametrize("kwargs", [c[1] for c in CASES], ids=[c[0] for c in CASES])
@@ -174,6 +174,19 @@ def test_backward_walks_many_blocks(causal):
     do = random_do(case)
     config = backward_kernel.AttentionBackwardConfig(autotune=False, block_m=16, block_n=16)
     check_backward(case, do, run_backward(case, do, config))
+
+
+def test_dropout_mask_is_independent_of_the_blocks():
+    """Dropout with 16 x 16 blocks (not the default 32): the mask is a hash
+    of global indices, so the kernels still drop what the reference drops
+    (ragged, causal, GQA, a per-head mask; forward and backward)."""
+    case = make_case(b=1, hq=2, hkv=1, l=50, s=41, e=24, causal=True, mask="heads",
+                     dtype=F16, dropout_p=0.4)
+    o, lse = launch(FORWARD, case.inputs, SMALL_BLOCKS, **case.params)
+    check_forward(case, o, lse)
+    do = random_do(case)
+    config = backward_kernel.AttentionBackwardConfig(autotune=False, block_m=16, block_n=16)
+    check_backward(case, do, run_backward(case, do, config, SMALL_BLOCKS))
 
 
 def test_backward_reads_any_layout_in_place():
@@ -324,15 +337,16 @@ COMPILE = textwrap.dedent(
                 signature[name] = "constexpr"
                 constants[(i,)] = meta[name]
             elif name.endswith("_ptr"):
-                signature[name] = "*fp32" if name in ("lse_ptr", "delta_ptr") else dtype
+                signature[name] = {"lse_ptr": "*fp32", "delta_ptr": "*fp32",
+                                   "keys_ptr": "*i32"}.get(name, dtype)
             else:
-                signature[name] = "fp32" if name == "scale" else "i32"
+                signature[name] = "fp32" if name in ("scale", "drop_scale") else "i32"
         return triton.compile(ASTSource(fn, signature, constants),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
 
     for dtype, on in (("*bf16", True), ("*fp32", False)):
-        meta = dict(HAS_MASK=on, CAUSAL=on, BLOCK_E=64, BLOCK_EV=32, UPCAST=False,
+        meta = dict(HAS_MASK=on, CAUSAL=on, DROPOUT=on, BLOCK_E=64, BLOCK_EV=32, UPCAST=False,
                     INPUT_PRECISION="ieee", BLOCK_M=32, BLOCK_N=32)
         for fn in (fwd.attention_kernel, bwd.attention_dkdv_kernel, bwd.attention_dq_kernel):
             print("BUILT", fn.__name__, dtype, build(fn, dtype, meta).metadata.shared)

@@ -27,6 +27,11 @@ structure after FlashAttention-3, Shah et al. 2024, arXiv:2407.08608):
 - Epilogue: o = acc / l (0 for a row with no visible key) leaves through the
   Q tile's SMEM by TMA; lse = m + log l (natural log; +inf for such a row)
   from the registers.
+- Dropout (kernels/attention_shapes.py): each compute warpgroup copies its
+  rows' keys to SMEM with its Q tile and keeps them in registers (one per
+  row, like m and l); P enters l as it is and P V dropped and rescaled,
+  the mask hashed from the keys and the key indices in registers
+  (attention_blocks.dropout_factors).
 
 Operands are staged as attention_blocks.py describes (Kᵀ read in place and
 P from the registers on the hardware; both through SMEM for the simulator)
@@ -44,7 +49,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from torch_pallas.kernels.attention_shapes import attention_dims
+from torch_pallas.kernels.attention_shapes import (attention_dims, dropout_param,
+                                                   optional_operands)
 from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     LOG2E,
     SUPPORTED_DTYPES,
@@ -55,6 +61,7 @@ from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     pad_rows,
     padded_head_dim,
     WARPGROUP_AXIS,
+    dropout_factors,
     thread_axes,
     tile_pipeline,
     tile_transforms,
@@ -89,10 +96,12 @@ class AttentionConfig:
         """Query rows per program."""
         return self.compute_wgs * self.block_q
 
-    def smem_bytes(self, dtype, head_dim: int, value_dim: int, mask_dtype=None) -> int:
+    def smem_bytes(self, dtype, head_dim: int, value_dim: int, mask_dtype=None,
+                   dropout: bool = False) -> int:
         """Shared memory on the hardware: each warpgroup's Q tile (its O
-        tile too when E = Ev, else one beside it) and the pipeline's K, V
-        (and mask) tiles. (The simulator also stages P.)"""
+        tile too when E = Ev, else one beside it; its rows' dropout keys)
+        and the pipeline's K, V (and mask) tiles. (The simulator also
+        stages P.)"""
         size = itemsize(dtype)
         e, ev = padded_head_dim(head_dim), padded_head_dim(value_dim)
         rows, bk = self.block_rows, self.block_kv
@@ -100,30 +109,34 @@ class AttentionConfig:
         if mask_dtype is not None:
             per_step += rows * bk * itemsize(mask_dtype)
         fixed = rows * e * size + (0 if e == ev else rows * ev * size)
+        if dropout:
+            fixed += rows * 4
         return fixed + self.max_concurrent_steps * per_step
 
-    def check(self, dtype, head_dim: int, value_dim: int, mask_dtype=None) -> None:
+    def check(self, dtype, head_dim: int, value_dim: int, mask_dtype=None,
+              dropout: bool = False) -> None:
         if self.block_q % 64 or self.block_kv % 64:
             raise ValueError(f"attention: {self} needs block_q and block_kv multiples of 64 "
                              "(wgmma rows, 128-byte swizzle of 16-bit tiles)")
         if self.compute_wgs not in (1, 2) or (self.compute_wgs > 1 and not self.warp_specialized):
             raise ValueError(f"attention: {self} needs 1 or 2 compute warpgroups, 1 "
                              "without warp specialization")
-        nbytes = self.smem_bytes(dtype, head_dim, value_dim, mask_dtype)
+        nbytes = self.smem_bytes(dtype, head_dim, value_dim, mask_dtype, dropout)
         if not fits_smem(nbytes):
             raise ValueError(f"attention: {self} needs {nbytes} bytes of shared memory for "
                              f"head dims {head_dim}/{value_dim}, more than a Hopper block has")
 
 
 def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group, has_mask,
-                     target, config):
+                     target, config, dropout_p=0.0):
     """q_gmem (B, Hq, Lp, Ep); k_gmem (B, Hkv, Sp, Ep), or (B, Hkv, Ep, Sp)
     in the simulator; v_gmem (B, Hkv, Sp, Evp); mask (Bm, Hm, Lp, Sp) when
-    `has_mask`; outputs o (B, Hq, Lp, Evp) and lse (B, Hq, Lp) float32.
-    Threads: `config.compute_wgs` compute warpgroups, then the memory one;
-    each program loops over its share of the (batch, head, query block)
-    tiles."""
-    mask_gmem, (o_gmem, lse_gmem) = (refs[0], refs[1:]) if has_mask else (None, refs)
+    `has_mask`; with dropout the rows' keys (B, Hq, Lp) int32; outputs o
+    (B, Hq, Lp, Evp) and lse (B, Hq, Lp) float32. Threads:
+    `config.compute_wgs` compute warpgroups, then the memory one; each
+    program loops over its share of the (batch, head, query block) tiles."""
+    *ins, o_gmem, lse_gmem = refs
+    mask_gmem, keys_gmem = optional_operands(ins, dropout_p)
     bq, bk, wgs, rows = config.block_q, config.block_kv, config.compute_wgs, config.block_rows
     batch, q_heads, lp, e = q_gmem.shape
     ev = v_gmem.shape[-1]
@@ -140,7 +153,7 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
         mask_smem, carry = (rest[0], rest[1]) if has_mask else (None, rest[0])
         (j,) = indices
         wg = warpgroup(config.warp_specialized)
-        acc, m, l = carry
+        acc, m, l, *row_keys = carry  # the rows' dropout keys ride along unchanged
 
         def qk(s_acc):
             plgpu.wgmma(s_acc, q_tiles.at[wg], target.transposed(k_smem))
@@ -156,6 +169,9 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
         alpha = jnp.exp2(m - m_base)
         p = jnp.exp2(s - jax.lax.broadcast_in_dim(m_base, s.shape, [0]))
         l = l * alpha + p.sum(axis=1)
+        if row_keys:  # l sums p as it is; v is weighted by the dropped p
+            p = p * dropout_factors(row_keys[0], target, col0=j * bk, shape=p.shape,
+                                    dropout_p=dropout_p)
         p_operand = target.operand(p, dtype, None if p_tiles is None else p_tiles.at[wg])
 
         def pv(o_acc):
@@ -164,17 +180,23 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
 
         acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
         acc = acc + pl.run_scoped(pv, plgpu.ACC((bq, ev), jnp.float32))
-        return acc, m_new, l
+        return acc, m_new, l, *row_keys
 
-    def compute(b, h, first_row, q_tiles, o_tiles, q_barriers, run_pipeline):
-        """One compute warpgroup's tile: its Q rows in, the loop, O and lse out."""
+    def compute(b, h, first_row, q_tiles, o_tiles, keys_tiles, q_barriers, run_pipeline):
+        """One compute warpgroup's tile: its Q rows (and dropout keys) in, the
+        loop, O and lse out."""
         wg = warpgroup(config.warp_specialized)
         wg_rows = pl.ds(first_row + wg * bq, bq)
         plgpu.copy_gmem_to_smem(q_gmem.at[b, h, wg_rows], q_tiles.at[wg], q_barriers.at[wg])
+        if keys_gmem is not None:
+            plgpu.copy_gmem_to_smem(keys_gmem.at[b, h, wg_rows], keys_tiles.at[wg],
+                                    q_barriers.at[wgs + wg])
+            plgpu.barrier_wait(q_barriers.at[wgs + wg])
         plgpu.barrier_wait(q_barriers.at[wg])
-        acc, m, l = run_pipeline((target.tile(jnp.zeros((bq, ev), jnp.float32)),
-                                  target.rows(jnp.full((bq,), -jnp.inf, jnp.float32)),
-                                  target.rows(jnp.zeros((bq,), jnp.float32))))
+        row_keys = () if keys_gmem is None else (target.load_rows(keys_tiles.at[wg]),)
+        acc, m, l, *_ = run_pipeline((target.tile(jnp.zeros((bq, ev), jnp.float32)),
+                                      target.rows(jnp.full((bq,), -jnp.inf, jnp.float32)),
+                                      target.rows(jnp.zeros((bq,), jnp.float32)), *row_keys))
         empty = l == 0.0  # no visible key: o = 0, lse = +inf
         safe_l = jnp.where(empty, 1.0, l)
         inv_l = jnp.where(empty, 0.0, 1.0 / safe_l)
@@ -187,7 +209,7 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[b, h, wg_rows])
         plgpu.wait_smem_to_gmem(0)  # the Q/O tile is reused by the next tile
 
-    def pipeline(b, h, qi, q_tiles, o_tiles, p_tiles, q_barriers):
+    def pipeline(b, h, qi, q_tiles, o_tiles, p_tiles, keys_tiles, q_barriers):
         """The warp-specialized pipeline of tile (b, h, qi), and its GMEM refs."""
         first_row = qi * rows
         if causal:  # key blocks past the tile's last query row are never loaded
@@ -214,11 +236,11 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
             compute_wgs=wgs,
             max_concurrent_steps=steps,
             compute_context=functools.partial(compute, b, h, first_row, q_tiles, o_tiles,
-                                              q_barriers),
+                                              keys_tiles, q_barriers),
         )
         return run, gmem
 
-    def scoped(allocations, q_tiles, o_tiles, p_tiles, q_barriers):
+    def scoped(allocations, q_tiles, o_tiles, p_tiles, keys_tiles, q_barriers):
         o_tiles = q_tiles if o_tiles is None else o_tiles  # Q's tile is free after the loop
 
         @plgpu.nd_loop((batch, q_heads, q_blocks), collective_axes="programs")
@@ -226,33 +248,36 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
             b, h, qi = loop.index
             if causal:  # the longest tiles first: programs finish closer together
                 qi = q_blocks - 1 - qi
-            run, gmem = pipeline(b, h, qi, q_tiles, o_tiles, p_tiles, q_barriers)
+            run, gmem = pipeline(b, h, qi, q_tiles, o_tiles, p_tiles, keys_tiles, q_barriers)
             run(*gmem, allocations=allocations)
 
     zero = jnp.int32(0)
-    example, example_gmem = pipeline(zero, zero, zero, None, None, None, None)
+    example, example_gmem = pipeline(zero, zero, zero, None, None, None, None, None)
     pl.run_scoped(
         scoped,
         example.get_allocations(*example_gmem),
         plgpu.SMEM((wgs, bq, e), dtype, transforms=transforms),
         None if e == ev else plgpu.SMEM((wgs, bq, ev), dtype, transforms=transforms),
         None if target.hardware else plgpu.SMEM((wgs, bq, bk), dtype, transforms=transforms),
-        plgpu.Barrier(num_barriers=wgs),
+        None if keys_gmem is None else plgpu.SMEM((wgs, bq), jnp.int32),
+        plgpu.Barrier(num_barriers=wgs if keys_gmem is None else 2 * wgs),
         collective_axes=WARPGROUP_AXIS if config.warp_specialized else (),
     )
 
 
-def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: AttentionConfig,
-              interpret):
+def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionConfig,
+              interpret, dropout_p: float = 0.0):
     """(o, lse) of softmax(scale * q kᵀ + mask) v, per kernels/attention_shapes.py:
     q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) in float16 or
-    bfloat16, mask (Bm, Hm, L, S) or None. o (B, Hq, L, Ev) in q's dtype, lse
-    (B, Hq, L) float32."""
+    bfloat16; `optional`: [mask (Bm, Hm, L, S)][, dropout keys (B, Hq, L)].
+    o (B, Hq, L, Ev) in q's dtype, lse (B, Hq, L) float32."""
+    mask, keys = optional_operands(optional, dropout_p)
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     if jnp.dtype(q.dtype).name not in SUPPORTED_DTYPES or not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"attention (mosaic_gpu): q, k, v are {q.dtype}, {k.dtype}, {v.dtype}; "
                          f"the kernel takes one of {SUPPORTED_DTYPES}")
-    config.check(q.dtype, dims.head_dim, dims.value_dim, None if mask is None else mask.dtype)
+    config.check(q.dtype, dims.head_dim, dims.value_dim, None if mask is None else mask.dtype,
+                 keys is not None)
     target = Target.of(interpret)
     lp, sp = round_up(dims.q_len, config.block_rows), round_up(dims.kv_len, config.block_kv)
     e, ev = padded_head_dim(dims.head_dim), padded_head_dim(dims.value_dim)
@@ -264,12 +289,15 @@ def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: Attenti
     operands = [q, k, v]
     if mask is not None:
         operands.append(pad_rows(mask, lp, sp))
+    if keys is not None:
+        operands.append(pad_rows(keys, lp))
     b, hq = dims.batch, dims.q_heads
     tiles = b * hq * (lp // config.block_rows)
     o, lse = plgpu.kernel(
         functools.partial(
             attention_kernel, scale=float(scale), causal=bool(causal), kv_len=dims.kv_len,
             group=dims.group, has_mask=mask is not None, target=target, config=config,
+            **dropout_param(dropout_p),
         ),
         out_type=(jax.ShapeDtypeStruct((b, hq, lp, ev), q.dtype),
                   jax.ShapeDtypeStruct((b, hq, lp), jnp.float32)),
@@ -296,10 +324,10 @@ def candidates(q_len: int, warp_specialized: bool = True) -> tuple[AttentionConf
 
 
 def config_for(dtype, q_len: int, head_dim: int, value_dim: int, mask_dtype=None,
-               warp_specialized: bool = True) -> AttentionConfig:
+               warp_specialized: bool = True, dropout: bool = False) -> AttentionConfig:
     """The first candidate that fits a Hopper block's shared memory."""
     for config in candidates(q_len, warp_specialized):
-        if fits_smem(config.smem_bytes(dtype, head_dim, value_dim, mask_dtype)):
+        if fits_smem(config.smem_bytes(dtype, head_dim, value_dim, mask_dtype, dropout)):
             return config
     raise ValueError(f"attention: no configuration fits head dims {head_dim}/{value_dim}")
 
@@ -311,12 +339,13 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     attention_blocks.tile_pipeline) with the same tiles, on one program
     (which the simulator compiles once)."""
     (q_shape, dtype), (k_shape, _), (v_shape, _) = avals[:3]
-    mask_dtype = avals[3][1] if len(avals) > 3 else None
+    mask, keys = optional_operands(avals[3:], params.get("dropout_p", 0.0))
     if dtype not in SUPPORTED_DTYPES:
         return AttentionConfig.default(backend)
     hardware = backend == "mosaic_gpu"
-    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1], mask_dtype,
-                        warp_specialized=hardware)
+    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1],
+                        None if mask is None else mask[1], warp_specialized=hardware,
+                        dropout=keys is not None)
     programs = getattr(device, "core_count", None) if hardware else 1
     return dataclasses.replace(config, num_programs=programs)
 

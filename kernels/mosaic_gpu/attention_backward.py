@@ -22,6 +22,10 @@ does it without atomics; the warp-specialized Hopper structure after both):
   query head); each compute warpgroup loads its Q, dO, lse, delta once; K,
   V (and mask) tiles are streamed over the visible key blocks (causal: up
   to the diagonal); dQ += dS K, dS from the registers.
+- Dropout: the rows' keys travel with lse and delta (streamed by the dK/dV
+  kernel, loaded once per warpgroup by the dQ kernel), and each step
+  recomputes the tile's mask Z from them (attention_blocks.dropout_factors):
+  dV takes (P Z)ᵀ dO, and dS = P * (dP Z - delta).
 - Both kernels run on persistent grids (`plgpu.nd_loop` over the tiles, one
   program per SM; causal tiles longest first). Without warp specialization
   (the form select_config gives the simulator) one warpgroup does both jobs
@@ -46,7 +50,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from torch_pallas.kernels.attention_shapes import attention_dims
+from torch_pallas.kernels.attention_shapes import (attention_dims, dropout_param,
+                                                   optional_operands)
 from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     LOG2E,
     SUPPORTED_DTYPES,
@@ -57,6 +62,7 @@ from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     pad_rows,
     padded_head_dim,
     WARPGROUP_AXIS,
+    dropout_factors,
     thread_axes,
     tile_pipeline,
     tile_transforms,
@@ -87,7 +93,8 @@ class BackwardConfig:
     def default(cls, backend: str) -> "BackwardConfig":
         return cls(block_q=64, block_kv=64, max_concurrent_steps=2)
 
-    def smem_bytes(self, dtype, head_dim: int, value_dim: int, mask_dtype=None) -> dict:
+    def smem_bytes(self, dtype, head_dim: int, value_dim: int, mask_dtype=None,
+                   dropout: bool = False) -> dict:
         """Shared memory of each kernel on the hardware (the simulator also
         stages dS and the outputs apart)."""
         size = itemsize(dtype)
@@ -95,21 +102,24 @@ class BackwardConfig:
         bq, bk, wgs = self.block_q, self.block_kv, self.compute_wgs
         steps = self.max_concurrent_steps
         mask = 0 if mask_dtype is None else wgs * bq * bk * itemsize(mask_dtype)
-        # K, V tiles (dK, dV leave through them), Pᵀ and dSᵀ tiles; Q, dO, lse, delta, mask
+        rows = (3 if dropout else 2) * bq * 4  # lse, delta (and the dropout keys)
+        # K, V tiles (dK, dV leave through them), Pᵀ and dSᵀ tiles; Q, dO, rows, mask
         dkv = wgs * (bk * (e + ev) + 2 * bq * bk) * size + steps * (
-            bq * (e + ev) * size + 2 * bq * 4 + mask)
-        # Q, dO tiles (dQ leaves through Q's), lse, delta; K, V, mask
-        dq = wgs * (bq * (e + ev) * size + 2 * bq * 4) + steps * (bk * (e + ev) * size + mask)
+            bq * (e + ev) * size + rows + mask)
+        # Q, dO tiles (dQ leaves through Q's), rows; K, V, mask
+        dq = wgs * (bq * (e + ev) * size + rows) + steps * (bk * (e + ev) * size + mask)
         return {"dkv": dkv, "dq": dq}
 
-    def check(self, dtype, head_dim: int, value_dim: int, mask_dtype=None) -> None:
+    def check(self, dtype, head_dim: int, value_dim: int, mask_dtype=None,
+              dropout: bool = False) -> None:
         if self.block_q % 64 or self.block_kv % 64:
             raise ValueError(f"attention backward: {self} needs block_q and block_kv "
                              "multiples of 64 (wgmma rows, 128-byte swizzle of 16-bit tiles)")
         if self.compute_wgs not in (1, 2) or (self.compute_wgs > 1 and not self.warp_specialized):
             raise ValueError(f"attention backward: {self} needs 1 or 2 compute warpgroups, 1 "
                              "without warp specialization")
-        for kernel, nbytes in self.smem_bytes(dtype, head_dim, value_dim, mask_dtype).items():
+        for kernel, nbytes in self.smem_bytes(dtype, head_dim, value_dim, mask_dtype,
+                                              dropout).items():
             if not fits_smem(nbytes):
                 raise ValueError(f"attention backward: {self} needs {nbytes} bytes of shared "
                                  f"memory in its {kernel} kernel for head dims "
@@ -138,14 +148,16 @@ def probabilities(s, mask_tile, lse2, target, *, score_scale, row0, col0, kv_len
 
 
 def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scale, causal,
-               kv_len, group, has_mask, target, config):
+               kv_len, group, has_mask, target, config, dropout_p=0.0):
     """q_gmem (B, Hq, Lp, Ep), do_gmem (B, Hq, Lp, Evp); k_gmem (B, Hkv,
     Sp, Ep) and v_gmem (B, Hkv, Sp, Evp), or both transposed in the
     simulator; lse_gmem (base 2) and delta_gmem (B, Hq, Lp) float32; mask
-    (Bm, Hm, Lp, Sp) when `has_mask`. Outputs dk (B, Hkv, Sp, Ep), dv (B,
-    Hkv, Sp, Evp). Each program loops over (batch, key/value head, key
-    block) tiles; each compute warpgroup owns `block_kv` keys of one."""
-    mask_gmem, (dk_gmem, dv_gmem) = (refs[0], refs[1:]) if has_mask else (None, refs)
+    (Bm, Hm, Lp, Sp) when `has_mask`; with dropout the rows' keys (B, Hq,
+    Lp) int32. Outputs dk (B, Hkv, Sp, Ep), dv (B, Hkv, Sp, Evp). Each
+    program loops over (batch, key/value head, key block) tiles; each
+    compute warpgroup owns `block_kv` keys of one."""
+    *ins, dk_gmem, dv_gmem = refs
+    mask_gmem, keys_gmem = optional_operands(ins, dropout_p)
     bq, bk, wgs = config.block_q, config.block_kv, config.compute_wgs
     tile_keys = wgs * bk
     batch, kv_heads = dk_gmem.shape[:2]
@@ -161,7 +173,8 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
 
     def step(kj, k_tiles, v_tiles, pt_tiles, dst_tiles, head_and_block, indices, q_smem,
              do_smem, lse_smem, delta_smem, *rest):
-        mask_smem, carry = (rest[0], rest[1]) if has_mask else (None, rest[0])
+        *tiles, carry = rest
+        mask_smem, keys_smem = optional_operands(tiles, dropout_p)
         dk_acc, dv_acc = carry
         (t,) = indices
         _, i = head_and_block(t)
@@ -169,11 +182,16 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
         s, dp = scores(q_smem, target.transposed(k_tiles.at[wg]), do_smem,
                        target.transposed(v_tiles.at[wg]), bq=bq, bk=bk)
         mask_tile = mask_smem.at[:, pl.ds(wg * bk, bk)][...] if has_mask else None
+        col0 = kj * tile_keys + wg * bk
         p = probabilities(s, mask_tile, target.load_rows(lse_smem), target,
-                          score_scale=scale * LOG2E, row0=i * bq,
-                          col0=kj * tile_keys + wg * bk, kv_len=kv_len, causal=causal,
-                          ragged=ragged)
-        plgpu.wgmma(dv_acc, target.stage_transposed(p, pt_tiles.at[wg]), do_smem)
+                          score_scale=scale * LOG2E, row0=i * bq, col0=col0, kv_len=kv_len,
+                          causal=causal, ragged=ragged)
+        pz = p
+        if keys_smem is not None:  # dV takes the dropped P, dP the same mask
+            z = dropout_factors(target.load_rows(keys_smem), target, col0=col0, shape=p.shape,
+                                dropout_p=dropout_p)
+            pz, dp = p * z, dp * z
+        plgpu.wgmma(dv_acc, target.stage_transposed(pz, pt_tiles.at[wg]), do_smem)
         delta = target.load_rows(delta_smem)
         ds = p * (dp - jax.lax.broadcast_in_dim(delta, dp.shape, [0]))
         plgpu.wgmma(dk_acc, target.stage_transposed(ds, dst_tiles.at[wg]), q_smem)
@@ -235,6 +253,9 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
             in_specs.append(plgpu.BlockSpec((None, bq, tile_keys), mask_index,
                                             transforms=tile_transforms(mask_gmem.dtype)))
             gmem.append(mask_gmem.at[b if mask_gmem.shape[0] > 1 else 0])
+        if keys_gmem is not None:  # the rows' keys, streamed like lse
+            in_specs.append(row_spec)
+            gmem.append(keys_gmem.at[b])
         run = tile_pipeline(
             functools.partial(step, kj, k_tiles, v_tiles, pt_tiles, dst_tiles, head_and_block),
             warp_specialized=config.warp_specialized,
@@ -278,7 +299,7 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
 
 
 def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scale, causal,
-              kv_len, group, has_mask, target, config):
+              kv_len, group, has_mask, target, config, dropout_p=0.0):
     """As dkv_kernel's operands, with K and V as they lie; in the simulator
     Kᵀ (B, Hkv, Ep, Sp) and Vᵀ (B, Hkv, Evp, Sp) follow delta_gmem. Output
     dq (B, Hq, Lp, Ep). Each program loops over (batch, query head, query
@@ -287,7 +308,8 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
         kt_gmem = vt_gmem = None
     else:
         kt_gmem, vt_gmem, *refs = refs
-    mask_gmem, (dq_gmem,) = (refs[0], refs[1:]) if has_mask else (None, refs)
+    *ins, dq_gmem = refs
+    mask_gmem, keys_gmem = optional_operands(ins, dropout_p)
     bq, bk, wgs = config.block_q, config.block_kv, config.compute_wgs
     tile_rows = wgs * bq
     batch, q_heads, lp, e = q_gmem.shape
@@ -301,7 +323,7 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
 
     def step(first_row, q_tiles, do_tiles, ds_tiles, indices, *tiles):
         *tiles, carry = tiles
-        dq_acc, lse2, delta = carry
+        dq_acc, lse2, delta, *row_keys = carry  # the rows' dropout keys, with dropout
         (j,) = indices
         wg = warpgroup(config.warp_specialized)
         if target.hardware:  # K and V once each, read both ways in place
@@ -314,28 +336,35 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
         p = probabilities(s, mask_tile, lse2, target, score_scale=scale * LOG2E,
                           row0=first_row + wg * bq, col0=j * bk, kv_len=kv_len, causal=causal,
                           ragged=ragged)
+        if row_keys:
+            dp = dp * dropout_factors(row_keys[0], target, col0=j * bk, shape=dp.shape,
+                                      dropout_p=dropout_p)
         ds = p * (dp - jax.lax.broadcast_in_dim(delta, dp.shape, [0]))
         ds_operand = target.operand(ds, dtype, None if ds_tiles is None else ds_tiles.at[wg])
         plgpu.wgmma(dq_acc, ds_operand, k_smem)
         plgpu.wgmma_wait(0)  # this step's tiles are released when it returns
         return carry
 
-    def compute(b, h, first_row, q_tiles, do_tiles, lse_tiles, delta_tiles, barriers,
-                run_pipeline):
-        """One compute warpgroup's rows: Q, dO, lse, delta in, the loop, dQ out."""
+    def compute(b, h, first_row, q_tiles, do_tiles, lse_tiles, delta_tiles, keys_tiles,
+                barriers, run_pipeline):
+        """One compute warpgroup's rows: Q, dO, lse, delta (and the dropout
+        keys) in, the loop, dQ out."""
         wg = warpgroup(config.warp_specialized)
         rows = pl.ds(first_row + wg * bq, bq)
         sources = (q_gmem, do_gmem, lse_gmem, delta_gmem)
         tiles = (q_tiles, do_tiles, lse_tiles, delta_tiles)
+        if keys_gmem is not None:
+            sources, tiles = sources + (keys_gmem,), tiles + (keys_tiles,)
         for n, (src, tile) in enumerate(zip(sources, tiles)):
             plgpu.copy_gmem_to_smem(src.at[b, h, rows], tile.at[wg], barriers.at[n * wgs + wg])
         for n in range(len(tiles)):
             plgpu.barrier_wait(barriers.at[n * wgs + wg])
         lse2 = target.load_rows(lse_tiles.at[wg])
         delta = target.load_rows(delta_tiles.at[wg])
+        row_keys = () if keys_gmem is None else (target.load_rows(keys_tiles.at[wg]),)
 
         def accumulate(dq_acc):
-            run_pipeline((dq_acc, lse2, delta))
+            run_pipeline((dq_acc, lse2, delta, *row_keys))
             return dq_acc[...]
 
         dq = pl.run_scoped(accumulate, plgpu.ACC((bq, e), jnp.float32))
@@ -345,7 +374,7 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
         plgpu.wait_smem_to_gmem(0)  # the tiles are reused by the next tile
 
     def pipeline(b, h, qi, scratch):
-        q_tiles, do_tiles, lse_tiles, delta_tiles, ds_tiles, barriers = scratch
+        q_tiles, do_tiles, lse_tiles, delta_tiles, keys_tiles, ds_tiles, barriers = scratch
         first_row = qi * tile_rows
         if causal:  # key blocks past the tile's last row are never loaded
             kv_steps = jnp.minimum(kv_blocks, (first_row + tile_rows + bk - 1) // bk)
@@ -375,7 +404,7 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
             compute_wgs=wgs,
             max_concurrent_steps=steps,
             compute_context=functools.partial(compute, b, h, first_row, q_tiles, do_tiles,
-                                              lse_tiles, delta_tiles, barriers),
+                                              lse_tiles, delta_tiles, keys_tiles, barriers),
         )
         return run, gmem
 
@@ -389,7 +418,7 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
             run(*gmem, allocations=allocations)
 
     zero = jnp.int32(0)
-    example, example_gmem = pipeline(zero, zero, zero, (None,) * 6)
+    example, example_gmem = pipeline(zero, zero, zero, (None,) * 7)
     pl.run_scoped(
         scoped,
         example.get_allocations(*example_gmem),
@@ -397,23 +426,27 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
         plgpu.SMEM((wgs, bq, ev), dtype, transforms=transforms),
         plgpu.SMEM((wgs, bq), jnp.float32),
         plgpu.SMEM((wgs, bq), jnp.float32),
+        None if keys_gmem is None else plgpu.SMEM((wgs, bq), jnp.int32),
         None if target.hardware else plgpu.SMEM((wgs, bq, bk), dtype, transforms=transforms),
-        plgpu.Barrier(num_barriers=4 * wgs),
+        plgpu.Barrier(num_barriers=(4 if keys_gmem is None else 5) * wgs),
         collective_axes=WARPGROUP_AXIS if config.warp_specialized else (),
     )
 
 
-def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: bool,
-                       config: BackwardConfig, interpret):
+def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: bool,
+                       config: BackwardConfig, interpret, dropout_p: float = 0.0):
     """(dq, dk, dv) of attention (kernels/attention_shapes.py): q (B, Hq, L,
     E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), o and do (B, Hq, L, Ev), lse (B,
-    Hq, L) float32 as the forward returned it, mask (Bm, Hm, L, S) or None.
-    dk, dv are summed over the query heads sharing each key/value head."""
+    Hq, L) float32 as the forward returned it; `optional`: [mask (Bm, Hm, L,
+    S)][, dropout keys (B, Hq, L)]. dk, dv are summed over the query heads
+    sharing each key/value head."""
+    mask, keys = optional_operands(optional, dropout_p)
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     if jnp.dtype(q.dtype).name not in SUPPORTED_DTYPES or not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"attention backward (mosaic_gpu): q, k, v are {q.dtype}, {k.dtype}, "
                          f"{v.dtype}; the kernel takes one of {SUPPORTED_DTYPES}")
-    config.check(q.dtype, dims.head_dim, dims.value_dim, None if mask is None else mask.dtype)
+    config.check(q.dtype, dims.head_dim, dims.value_dim, None if mask is None else mask.dtype,
+                 keys is not None)
     target = Target.of(interpret)
     wgs = config.compute_wgs
     # Whole tiles of both kernels: dQ's query rows, dK/dV's keys.
@@ -427,9 +460,12 @@ def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: 
     k, v = pad_rows(k, sp, e), pad_rows(v, sp, ev)
     kt, vt = jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
     masks = [] if mask is None else [pad_rows(mask, lp, sp)]
+    if keys is not None:  # after the mask, as the kernels read them
+        masks.append(pad_rows(keys, lp))
     b, hq, hkv = dims.batch, dims.q_heads, dims.kv_heads
     static = dict(scale=float(scale), causal=bool(causal), kv_len=dims.kv_len, group=dims.group,
-                  has_mask=mask is not None, target=target, config=config)
+                  has_mask=mask is not None, target=target, config=config,
+                  **dropout_param(dropout_p))
 
     def grid(tiles):
         return (min(tiles, config.num_programs or tiles),)
@@ -471,10 +507,10 @@ def candidates(q_len: int, warp_specialized: bool = True) -> tuple[BackwardConfi
 
 
 def config_for(dtype, q_len: int, head_dim: int, value_dim: int, mask_dtype=None,
-               warp_specialized: bool = True) -> BackwardConfig:
+               warp_specialized: bool = True, dropout: bool = False) -> BackwardConfig:
     for config in candidates(q_len, warp_specialized):
         if all(fits_smem(n) for n in
-               config.smem_bytes(dtype, head_dim, value_dim, mask_dtype).values()):
+               config.smem_bytes(dtype, head_dim, value_dim, mask_dtype, dropout).values()):
             return config
     raise ValueError(f"attention backward: no configuration fits head dims "
                      f"{head_dim}/{value_dim}")
@@ -486,12 +522,13 @@ def select_config(backend: str, avals, params, device=None) -> BackwardConfig:
     the simulator one warpgroup doing both jobs with the same tiles, on one
     program."""
     (q_shape, dtype), (k_shape, _), (v_shape, _) = avals[:3]
-    mask_dtype = avals[6][1] if len(avals) > 6 else None
+    mask, keys = optional_operands(avals[6:], params.get("dropout_p", 0.0))
     if dtype not in SUPPORTED_DTYPES:
         return BackwardConfig.default(backend)
     hardware = backend == "mosaic_gpu"
-    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1], mask_dtype,
-                        warp_specialized=hardware)
+    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1],
+                        None if mask is None else mask[1], warp_specialized=hardware,
+                        dropout=keys is not None)
     programs = getattr(device, "core_count", None) if hardware else 1
     return dataclasses.replace(config, num_programs=programs)
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from torch_pallas.kernels import attention_dropout
 from torch_pallas.kernels.attention_shapes import MAX_HEAD_DIM
 from torch_pallas.kernels.mosaic_gpu.tiles import HOPPER_SMEM_BYTES, smem_transforms
 from torch_pallas.kernels.padding import pad_to
@@ -152,6 +153,15 @@ def visible(s, target: Target, *, row0, col0, kv_len: int, causal: bool, ragged:
         return jnp.where(shown, s, -jnp.inf)
 
     return jax.lax.cond(partly_hidden, hide, lambda s: s, s)
+
+
+def dropout_factors(row_keys, target: Target, *, col0, shape, dropout_p: float):
+    """Z of a (rows, cols) score tile of keys col0..: dropout's 1 / (1 - p)
+    or 0 per score, from the rows' keys (a wgmma row vector) and the key
+    indices, in the tile's registers (kernels/attention_dropout.py)."""
+    cols = target.tile(jax.lax.broadcasted_iota(jnp.int32, shape, 1)) + col0
+    return attention_dropout.factors(jax.lax.broadcast_in_dim(row_keys, shape, [0]), cols,
+                                     dropout_p)
 
 
 def tile_pipeline(body, *, warp_specialized: bool, grid, in_specs, max_concurrent_steps: int,

@@ -29,6 +29,11 @@ Batched body (`interpret`, JAX's generic interpreter on CPU): see
 attention_blocks.py. Whole (batch, kv-head, query-row) blocks, all query
 heads of a key/value head together, one batched product per block; keys in
 chunks with the same online softmax when the scores would exceed the budget.
+
+Dropout (kernels/attention_shapes.py), in both bodies: the rows' keys come
+in blocks beside the query rows; each score block's probabilities enter
+the sums l as they are and the product with v dropped and rescaled
+(kernels/attention_dropout.py). Without dropout none of it is traced.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels.attention_shapes import attention_dims, attention_flops
+from torch_pallas.kernels import attention_dropout
+from torch_pallas.kernels.attention_shapes import (attention_dims, attention_flops,
+                                                   dropout_param, optional_operands)
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import round_up
 from torch_pallas.kernels.spec import KernelSpec
@@ -54,12 +61,13 @@ from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 
 
 def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale, causal,
-                     kv_len, group, block_k, num_cores):
+                     kv_len, group, block_k, num_cores, dropout_p=0.0):
     """q_hbm (B, Hq, Lp, Ep), k_hbm (B, Hkv, Sp, Ep), v_hbm (B, Hkv, Sp, Evp),
-    an optional mask (Bm, Hm, Lp, Sp); outputs o (B, Hq, Lp, Evp) and lse
-    (B, Hq, Lp, 1); scratch m, l (bq, LANES) and acc (bq, Evp), float32."""
+    an optional mask (Bm, Hm, Lp, Sp), with dropout the rows' keys (B, Hq,
+    Lp, 1) int32; outputs o (B, Hq, Lp, Evp) and lse (B, Hq, Lp, 1);
+    scratch m, l (bq, LANES) and acc (bq, Evp), float32."""
     *ins, o_hbm, lse_hbm = refs
-    mask_hbm = ins[0] if ins else None
+    mask_hbm, keys_hbm = optional_operands(ins, dropout_p)
     batch, q_heads, lp, _ = q_hbm.shape
     sp = k_hbm.shape[2]
     bq, bk = acc_vmem.shape[0], block_k
@@ -72,7 +80,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
         return jnp.minimum(j, last_visible(i)) if causal else j
 
     def body(q_ref, k_ref, v_ref, *rest):
-        mask_ref = rest[0] if mask_hbm is not None else None
+        mask_ref, keys_ref = optional_operands(rest[:-2], dropout_p)
         o_ref, lse_ref = rest[-2:]
         # Global block indices (emit_pipeline adds the core's offset).
         i, j = pl.program_id(2), pl.program_id(3)
@@ -98,6 +106,8 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
             alpha = jnp.exp(m_old - m_safe)
             l_vmem[...] = alpha * l_vmem[...] + p.sum(axis=1, keepdims=True)
             v = v_ref[...]
+            if keys_ref is not None:
+                p = p * attention_dropout.block_factors(keys_ref[...], j * bk, p.shape, dropout_p)
             acc_vmem[...] = acc_vmem[...] * alpha[:, :1] + dot(p.astype(v.dtype), v, (1, 0))
             m_vmem[...] = m_new
 
@@ -127,6 +137,9 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
+    if keys_hbm is not None:
+        in_specs.append(pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j: (b, h, i, 0)))
+        operands.append(keys_hbm)
     out_specs = [
         pl.BlockSpec((None, None, bq, ev), lambda b, h, i, j: (b, h, i, 0)),
         pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j: (b, h, i, 0)),
@@ -137,7 +150,8 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
     )(*operands, o_hbm, lse_hbm)
 
 
-def pipelined_attention(q, k, v, mask, *, scale, causal, config, interpret, num_cores):
+def pipelined_attention(q, k, v, mask, keys, *, scale, causal, dropout_p, config, interpret,
+                        num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     bq = blocks_.pipelined_block(dims.q_len, config.block_q, blocks_.SUBLANES)
     bk = blocks_.pipelined_block(dims.kv_len, config.block_k, blocks_.LANES)
@@ -149,9 +163,12 @@ def pipelined_attention(q, k, v, mask, *, scale, causal, config, interpret, num_
                 pad_to(v, (b, hkv, sp, evp))]
     if mask is not None:
         operands.append(pad_to(mask, (*mask.shape[:2], lp, sp)))
+    if keys is not None:
+        operands.append(pad_to(keys, (b, hq, lp)).reshape(b, hq, lp, 1))
     o, lse = pl.kernel(
         functools.partial(pipelined_kernel, scale=scale, causal=causal, kv_len=dims.kv_len,
-                          group=dims.group, num_cores=num_cores, block_k=bk),
+                          group=dims.group, num_cores=num_cores, block_k=bk,
+                          **dropout_param(dropout_p)),
         out_type=(jax.ShapeDtypeStruct((b, hq, lp, evp), q.dtype),
                   jax.ShapeDtypeStruct((b, hq, lp, 1), jnp.float32)),
         mesh=tensorcore_mesh(num_cores),
@@ -167,13 +184,14 @@ def pipelined_attention(q, k, v, mask, *, scale, causal, config, interpret, num_
 # Batched body (generic interpreter, CPU)
 
 
-def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
+def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dropout_p=0.0):
     """q_hbm (B, Hkv, G, Lp, E), k_hbm (B, Hkv, Sp, E), v_hbm (B, Hkv, Sp, Ev),
-    an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp); outputs o
-    (B, Hkv, G, Lp, Ev) and lse (B, Hkv, G, Lp). Blocks are read straight
-    from the operands (the generic interpreter's refs are arrays)."""
+    an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp), with dropout the rows'
+    keys (B, Hkv, G, Lp) int32; outputs o (B, Hkv, G, Lp, Ev) and lse
+    (B, Hkv, G, Lp). Blocks are read straight from the operands (the
+    generic interpreter's refs are arrays)."""
     *ins, o_hbm, lse_hbm = refs
-    mask_hbm = ins[0] if ins else None
+    mask_hbm, keys_hbm = optional_operands(ins, dropout_p)
     batch, kv_heads, _, lp, _ = q_hbm.shape
     sp = k_hbm.shape[2]
     bb, bh, bq, ck = blocks
@@ -193,6 +211,12 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
     def one_block(bi, hi, qi):
         rows = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh), slice(None), pl.ds(qi * bq, bq))
         q = (q_hbm[rows].astype(jnp.float32) * scale).reshape(flat, g * bq, -1)
+        row_keys = None if keys_hbm is None else keys_hbm[rows].reshape(flat, g * bq, 1)
+
+        def weights(p, c0):
+            """What multiplies v: p, dropped and rescaled with dropout."""
+            z = attention_dropout.block_factors(row_keys, c0, p.shape, dropout_p)
+            return p if z is None else p * z
 
         def keys(c0, n):
             kv = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh), pl.ds(c0, n))
@@ -219,7 +243,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
             m = jnp.where(m == -jnp.inf, 0.0, m)
             p = jnp.exp(s - m)
             l = p.sum(axis=-1, keepdims=True)
-            acc = product(p, v, (2, 1))
+            acc = product(weights(p, 0), v, (2, 1))
         else:  # key chunks, online softmax
             chunks = sp // ck
             if causal:  # the chunks holding a key some row of the block sees
@@ -233,7 +257,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
                 p = jnp.exp(s - m_safe)
                 alpha = jnp.exp(m_old - m_safe)
                 return (m_new, alpha * l_old + p.sum(axis=-1, keepdims=True),
-                        alpha * acc_old + product(p, v, (2, 1)))
+                        alpha * acc_old + product(weights(p, c * ck), v, (2, 1)))
 
             stats = (flat, g * bq, 1)
             init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
@@ -255,7 +279,8 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len):
         one_block(t // (grid[1] * grid[2]), (t // grid[2]) % grid[1], t % grid[2])
 
 
-def batched_attention(q, k, v, mask, *, scale, causal, config, interpret, num_cores):
+def batched_attention(q, k, v, mask, keys, *, scale, causal, dropout_p, config, interpret,
+                      num_cores):
     if num_cores != 1:
         raise ValueError(f"attention: the batched body runs on one core, not {num_cores=} "
                          "(it is the generic interpreter's; use Body.PIPELINED)")
@@ -271,9 +296,11 @@ def batched_attention(q, k, v, mask, *, scale, causal, config, interpret, num_co
                 pad_to(k, (b, hkv, sp, dims.head_dim)), pad_to(v, (b, hkv, sp, dims.value_dim))]
     if mask is not None:
         operands.append(blocks_.mask_groups(pad_to(mask, (*mask.shape[:2], lp, sp)), hkv))
+    if keys is not None:
+        operands.append(blocks_.as_groups(pad_to(keys, (b, dims.q_heads, lp)), hkv))
     o, lse = pl.kernel(
         functools.partial(batched_kernel, blocks=(bb, bh, bq, ck), scale=scale, causal=causal,
-                          kv_len=dims.kv_len),
+                          kv_len=dims.kv_len, **dropout_param(dropout_p)),
         out_type=(jax.ShapeDtypeStruct((b, hkv, g, lp, dims.value_dim), q.dtype),
                   jax.ShapeDtypeStruct((b, hkv, g, lp), jnp.float32)),
         mesh=tensorcore_mesh(num_cores),
@@ -287,18 +314,21 @@ def batched_attention(q, k, v, mask, *, scale, causal, config, interpret, num_co
 # Entry point
 
 
-def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: AttentionConfig,
-              interpret, num_cores: int):
+def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionConfig,
+              interpret, num_cores: int, dropout_p: float = 0.0):
     """(o, lse) of softmax(scale * q kᵀ + mask [+ causal]) v, per
-    kernels/attention_shapes.py."""
+    kernels/attention_shapes.py; `optional`: [mask][, dropout keys]."""
+    mask, keys = optional_operands(optional, dropout_p)
     run = batched_attention if config.body is Body.BATCHED else pipelined_attention
-    return run(q, k, v, mask, scale=float(scale), causal=bool(causal), config=config,
-               interpret=interpret, num_cores=num_cores)
+    return run(q, k, v, mask, keys, scale=float(scale), causal=bool(causal),
+               dropout_p=float(dropout_p), config=config, interpret=interpret,
+               num_cores=num_cores)
 
 
-def _dims(avals):
+def _dims(avals, params):
     shapes = [shape for shape, _ in avals]
-    return attention_dims(*shapes[:3], shapes[3] if len(shapes) > 3 else None)
+    mask, _ = optional_operands(shapes[3:], params.get("dropout_p", 0.0))
+    return attention_dims(*shapes[:3], mask)
 
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
@@ -306,11 +336,11 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     (attention_blocks.batched_blocks); TPU blocks elsewhere."""
     if backend != "interpret":
         return AttentionConfig.default(backend)
-    return blocks_.batched_config(_dims(avals), causal=bool(params.get("causal", False)))
+    return blocks_.batched_config(_dims(avals, params), causal=bool(params.get("causal", False)))
 
 
 def flops(avals, params) -> float:
-    return attention_flops(_dims(avals), bool(params.get("causal", False)))
+    return attention_flops(_dims(avals, params), bool(params.get("causal", False)))
 
 
 KERNEL = KernelSpec(run=attention, default_config=AttentionConfig.default,

@@ -30,6 +30,10 @@ Batched body (`interpret`, the generic interpreter on CPU): whole (batch,
 kv-head) blocks with all their query heads; query blocks in sequence, keys in
 chunks when the scores would exceed the budget (attention_blocks.py), dq
 finished per query block, dk/dv accumulated in float32 across all of them.
+
+Dropout, in every body: the rows' keys come in blocks like lse, and each
+score block's mask Z is recomputed from them as the forward computed it
+(kernels/attention_dropout.py): dv += (p Z)ᵀ do, ds = p * (dp Z - delta).
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from torch_pallas.kernels.attention_shapes import attention_dims, attention_flops
+from torch_pallas.kernels import attention_dropout
+from torch_pallas.kernels.attention_shapes import (attention_dims, attention_flops,
+                                                   dropout_param, optional_operands)
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import round_up
 from torch_pallas.kernels.spec import KernelSpec
@@ -65,12 +71,13 @@ def _masked_scores(q, k, mask, *, scale, q_start, k_start, causal, kv_len, padde
 
 
 def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem, dv_vmem,
-                scale, causal, kv_len, group, block_q, block_k, num_cores):
+                scale, causal, kv_len, group, block_q, block_k, num_cores, dropout_p=0.0):
     """Inputs padded: q (B, Hq, Lp, Ep), k (B, Hkv, Sp, Ep), v (B, Hkv, Sp,
     Evp), do (B, Hq, Lp, Evp), lse and delta (B, Hq, Lp, 1), optional mask
-    (Bm, Hm, Lp, Sp); outputs dk, dv like k, v; float32 accumulators."""
+    (Bm, Hm, Lp, Sp), with dropout the rows' keys (B, Hq, Lp, 1) int32;
+    outputs dk, dv like k, v; float32 accumulators."""
     *ins, dk_hbm, dv_hbm = refs
-    mask_hbm = ins[0] if ins else None
+    mask_hbm, keys_hbm = optional_operands(ins, dropout_p)
     batch, kv_heads, sp, e = k_hbm.shape
     lp, ev = q_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
@@ -88,7 +95,7 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
         return (b, h * group + t // nq, q_block(j, t), 0)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        mask_ref = rest[0] if mask_hbm is not None else None
+        mask_ref, keys_ref = optional_operands(rest[:-2], dropout_p)
         dk_ref, dv_ref = rest[-2:]
         # Global block indices (emit_pipeline adds the core's offset).
         j, t = pl.program_id(2), pl.program_id(3)
@@ -105,8 +112,11 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
                                scale=scale, q_start=i * bq, k_start=j * bk, causal=causal,
                                kv_len=kv_len, padded_kv_len=sp, contract=(1, 1))
             p = jnp.exp(s - lse_ref[...])  # (bq, bk); 0 where lse is +inf
-            dv_vmem[...] += dot(p.astype(do.dtype), do, (0, 0))
             dp = dot(do, v_ref[...], (1, 1))
+            z = attention_dropout.block_factors(None if keys_ref is None else keys_ref[...],
+                                                j * bk, p.shape, dropout_p)
+            pz, dp = (p, dp) if z is None else (p * z, dp * z)
+            dv_vmem[...] += dot(pz.astype(do.dtype), do, (0, 0))
             ds = p * (dp - delta_ref[...])
             dk_vmem[...] += scale * dot(ds.astype(q.dtype), q, (0, 0))
 
@@ -135,6 +145,9 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
+    if keys_hbm is not None:
+        in_specs.append(row_spec(1))
+        operands.append(keys_hbm)
     pltpu.emit_pipeline(
         body, grid=grid, in_specs=in_specs, out_specs=[kv_spec(e), kv_spec(ev)],
         **pipeline_core_split(num_cores, parallel_dims=3),
@@ -142,10 +155,10 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
 
 
 def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, scale, causal,
-              kv_len, group, block_q, block_k, num_cores):
+              kv_len, group, block_q, block_k, num_cores, dropout_p=0.0):
     """Inputs as dkdv_kernel's; output dq like q; a float32 accumulator."""
     *ins, dq_hbm = refs
-    mask_hbm = ins[0] if ins else None
+    mask_hbm, keys_hbm = optional_operands(ins, dropout_p)
     batch, q_heads, lp, e = q_hbm.shape
     sp, ev = k_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
@@ -155,7 +168,7 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
         return jnp.minimum(j, jnp.minimum((i * bq + bq - 1) // bk, grid[3] - 1)) if causal else j
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        mask_ref = rest[0] if mask_hbm is not None else None
+        mask_ref, keys_ref = optional_operands(rest[:-1], dropout_p)
         dq_ref = rest[-1]
         # Global block indices (emit_pipeline adds the core's offset).
         i, j = pl.program_id(2), pl.program_id(3)
@@ -171,6 +184,10 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
                                kv_len=kv_len, padded_kv_len=sp, contract=(1, 1))
             p = jnp.exp(s - lse_ref[...])
             dp = dot(do_ref[...], v_ref[...], (1, 1))
+            z = attention_dropout.block_factors(None if keys_ref is None else keys_ref[...],
+                                                j * bk, p.shape, dropout_p)
+            if z is not None:
+                dp = dp * z
             ds = p * (dp - delta_ref[...])
             dq_vmem[...] += scale * dot(ds.astype(k.dtype), k, (1, 0))
 
@@ -198,14 +215,17 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
+    if keys_hbm is not None:
+        in_specs.append(row_spec(1))
+        operands.append(keys_hbm)
     pltpu.emit_pipeline(
         body, grid=grid, in_specs=in_specs, out_specs=[row_spec(e)],
         **pipeline_core_split(num_cores, parallel_dims=3),
     )(*operands, dq_hbm)
 
 
-def pipelined_backward(q, k, v, do, lse, delta, mask, *, scale, causal, config, interpret,
-                       num_cores):
+def pipelined_backward(q, k, v, do, lse, delta, mask, keys, *, scale, causal, dropout_p, config,
+                       interpret, num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     b, hq, hkv = dims.batch, dims.q_heads, dims.kv_heads
     bq = blocks_.pipelined_block(dims.q_len, config.block_q, blocks_.SUBLANES)
@@ -224,8 +244,10 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, *, scale, causal, config, 
     ]
     if mask is not None:
         operands.append(pad_to(mask, (*mask.shape[:2], lp, sp)))
+    if keys is not None:
+        operands.append(pad_to(keys, rows).reshape(*rows, 1))
     static = dict(scale=scale, causal=causal, kv_len=dims.kv_len, group=dims.group,
-                  block_q=bq, block_k=bk, num_cores=num_cores)
+                  block_q=bq, block_k=bk, num_cores=num_cores, **dropout_param(dropout_p))
     mesh = tensorcore_mesh(num_cores)
     dk, dv = pl.kernel(
         functools.partial(dkdv_kernel, **static),
@@ -252,12 +274,13 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, *, scale, causal, config, 
 
 
 def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, blocks, scale,
-                   causal, kv_len):
+                   causal, kv_len, dropout_p=0.0):
     """q and do (B, Hkv, G, Lp, E / Ev), k and v (B, Hkv, Sp, E / Ev), lse and
-    delta (B, Hkv, G, Lp), an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp);
-    outputs dq like q, dk and dv like k and v."""
+    delta (B, Hkv, G, Lp), an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp),
+    with dropout the rows' keys (B, Hkv, G, Lp) int32; outputs dq like q, dk
+    and dv like k and v."""
     *ins, dq_hbm, dk_hbm, dv_hbm = refs
-    mask_hbm = ins[0] if ins else None
+    mask_hbm, keys_hbm = optional_operands(ins, dropout_p)
     batch, kv_heads, _, lp, _ = q_hbm.shape
     sp = k_hbm.shape[2]
     bb, bh, bq, ck = blocks
@@ -266,7 +289,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
     def one_block(bi, hi):
         heads = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh))
 
-        def grads(qi, c0, n, q, do, lse, delta):
+        def grads(qi, c0, n, q, do, lse, delta, row_keys):
             """(dq, dkᵀ, dvᵀ) of query block qi against keys c0 .. c0 + n."""
             kv = (*heads, pl.ds(c0, n))
             k, v = k_hbm[kv].astype(jnp.float32), v_hbm[kv].astype(jnp.float32)
@@ -279,11 +302,14 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
                                causal=causal, kv_len=kv_len, padded_kv_len=sp,
                                contract=(4, 3), batch_dims=2)  # (bb, bh, G, bq, n)
             p = jnp.exp(s - lse[..., None])
+            dp = dot(do, v, (4, 3), batch_dims=2)
+            z = attention_dropout.block_factors(row_keys, c0, p.shape, dropout_p)
+            pz, dp = (p, dp) if z is None else (p * z, dp * z)
             # dk and dv transposed, (E, n): contracting the score block along
             # its rows as the right operand is XLA CPU's fast layout (about
             # 1.7x the backward's speed here); both summed over the group.
-            dv_t = dot(do, p, ((2, 3), (2, 3)), batch_dims=2)
-            ds = p * (dot(do, v, (4, 3), batch_dims=2) - delta[..., None])
+            dv_t = dot(do, pz, ((2, 3), (2, 3)), batch_dims=2)
+            ds = p * (dp - delta[..., None])
             dq = scale * dot(ds, k, (4, 2), batch_dims=2)
             dk_t = scale * dot(q, ds, ((2, 3), (2, 3)), batch_dims=2)
             return dq, dk_t, dv_t
@@ -292,15 +318,16 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
             rows = (*heads, slice(None), pl.ds(qi * bq, bq))
             q, do = q_hbm[rows].astype(jnp.float32), do_hbm[rows].astype(jnp.float32)
             lse, delta = lse_hbm[rows], delta_hbm[rows]
+            row_keys = None if keys_hbm is None else keys_hbm[rows][..., None]
             if nk == 1:
-                dq, dk_t, dv_t = grads(qi, 0, sp, q, do, lse, delta)
+                dq, dk_t, dv_t = grads(qi, 0, sp, q, do, lse, delta, row_keys)
                 dq_hbm[rows] = dq.astype(dq_hbm.dtype)
                 return dk_dv[0] + dk_t, dk_dv[1] + dv_t
 
             def chunk(c, carry):
                 dq, dk_all, dv_all = carry
                 c0 = c * ck
-                dq_c, dk_c, dv_c = grads(qi, c0, ck, q, do, lse, delta)
+                dq_c, dk_c, dv_c = grads(qi, c0, ck, q, do, lse, delta, row_keys)
 
                 def add(total, part):
                     start = (0, 0, 0, c0)
@@ -336,8 +363,8 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
         one_block(t // (kv_heads // bh), t % (kv_heads // bh))
 
 
-def batched_backward(q, k, v, do, lse, delta, mask, *, scale, causal, config, interpret,
-                     num_cores):
+def batched_backward(q, k, v, do, lse, delta, mask, keys, *, scale, causal, dropout_p, config,
+                     interpret, num_cores):
     if num_cores != 1:
         raise ValueError(f"attention_backward: the batched body runs on one core, not "
                          f"{num_cores=} (it is the generic interpreter's; use Body.PIPELINED)")
@@ -360,9 +387,11 @@ def batched_backward(q, k, v, do, lse, delta, mask, *, scale, causal, config, in
                 grouped(do, ev), blocks_.as_groups(lse, hkv), grouped(delta)]
     if mask is not None:
         operands.append(blocks_.mask_groups(pad_to(mask, (*mask.shape[:2], lp, sp)), hkv))
+    if keys is not None:
+        operands.append(grouped(keys))
     dq, dk, dv = pl.kernel(
         functools.partial(batched_kernel, blocks=(bb, bh, bq, ck), scale=scale, causal=causal,
-                          kv_len=dims.kv_len),
+                          kv_len=dims.kv_len, **dropout_param(dropout_p)),
         out_type=(jax.ShapeDtypeStruct((b, hkv, g, lp, e), q.dtype),
                   jax.ShapeDtypeStruct((b, hkv, sp, e), q.dtype),
                   jax.ShapeDtypeStruct((b, hkv, sp, ev), q.dtype)),
@@ -377,15 +406,18 @@ def batched_backward(q, k, v, do, lse, delta, mask, *, scale, causal, config, in
 # Entry point
 
 
-def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: bool,
-                       config: AttentionConfig, interpret, num_cores: int):
+def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: bool,
+                       config: AttentionConfig, interpret, num_cores: int,
+                       dropout_p: float = 0.0):
     """(dq, dk, dv) of the forward's o = attention(q, k, v, mask) given do,
     per kernels/attention_shapes.py; `o` and `lse` are what the forward
-    returned."""
+    returned; `optional`: [mask][, dropout keys]."""
+    mask, keys = optional_operands(optional, dropout_p)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     run = batched_backward if config.body is Body.BATCHED else pipelined_backward
-    return run(q, k, v, do, lse.astype(jnp.float32), delta, mask, scale=float(scale),
-               causal=bool(causal), config=config, interpret=interpret, num_cores=num_cores)
+    return run(q, k, v, do, lse.astype(jnp.float32), delta, mask, keys, scale=float(scale),
+               causal=bool(causal), dropout_p=float(dropout_p), config=config,
+               interpret=interpret, num_cores=num_cores)
 
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
@@ -393,17 +425,18 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     (attention_blocks.batched_blocks); TPU blocks elsewhere."""
     if backend != "interpret":
         return AttentionConfig.default(backend)
-    return blocks_.batched_config(_dims(avals), causal=bool(params.get("causal", False)))
+    return blocks_.batched_config(_dims(avals, params), causal=bool(params.get("causal", False)))
 
 
-def _dims(avals):
+def _dims(avals, params):
     shapes = [shape for shape, _ in avals]
-    return attention_dims(*shapes[:3], shapes[6] if len(avals) > 6 else None)
+    mask, _ = optional_operands(shapes[6:], params.get("dropout_p", 0.0))
+    return attention_dims(*shapes[:3], mask)
 
 
 def flops(avals, params) -> float:
     """The backward's five products: 2.5 forwards (as FlashAttention counts)."""
-    return 2.5 * attention_flops(_dims(avals), bool(params.get("causal", False)))
+    return 2.5 * attention_flops(_dims(avals, params), bool(params.get("causal", False)))
 
 
 KERNEL = KernelSpec(run=attention_backward, default_config=AttentionConfig.default,

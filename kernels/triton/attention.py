@@ -27,6 +27,10 @@ uses 0 in place of an infinite maximum, so no NaN appears).
   (BLOCK_E = next power of two >= E, at least 16 for tl.dot) and every load
   is masked.
 - Any layout: every operand's four strides are passed.
+- Dropout (DROPOUT, kernels/attention_shapes.py): the block's rows' keys
+  are loaded with q, and each key block's p is multiplied by its mask Z
+  (`dropout_factors`, the hash every family computes, in uint32) before
+  the product with v; l sums p undropped.
 
 Triton's CPU interpreter computes bfloat16 `tl.dot` wrongly and rounds
 float32 -> bfloat16 toward zero (kernels/triton/__init__.py). Under it,
@@ -44,7 +48,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch_pallas.kernels.attention_shapes import MAX_HEAD_DIM, attention_dims
+from torch_pallas.kernels.attention_shapes import (DROPOUT_BITS, DROPOUT_GOLDEN, DROPOUT_MIX,
+                                                   MAX_HEAD_DIM, attention_dims, dropout_scale,
+                                                   dropout_threshold, optional_operands)
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.triton import direct, interpreter_safe_dtype, interpreting
 
@@ -133,8 +139,36 @@ def forward_configs(block_e: int, block_ev: int, itemsize: int) -> list:
 
 
 # Tuned per head-dimension tile, sequence-length bucket (a power of two, so
-# that each new length does not retune), causal and masked.
-AUTOTUNE_KEY = ["BLOCK_E", "BLOCK_EV", "L_BUCKET", "S_BUCKET", "CAUSAL", "HAS_MASK"]
+# that each new length does not retune), causal, masked and dropping.
+AUTOTUNE_KEY = ["BLOCK_E", "BLOCK_EV", "L_BUCKET", "S_BUCKET", "CAUSAL", "HAS_MASK", "DROPOUT"]
+
+HASH_GOLDEN = tl.constexpr(DROPOUT_GOLDEN)
+HASH_MIX_1 = tl.constexpr(DROPOUT_MIX[0])
+HASH_MIX_2 = tl.constexpr(DROPOUT_MIX[1])
+HASH_SHIFT = tl.constexpr(32 - DROPOUT_BITS)
+
+
+@triton.jit
+def dropout_factors(row_keys, cols, threshold, keep_scale):
+    """Z, what dropout multiplies the probabilities by (1 / (1 - p) where
+    kept, 0 where dropped), for rows' keys (uint32) and key indices (int32)
+    broadcast against each other: kernels/attention_shapes.py's hash."""
+    x = row_keys + cols.to(tl.uint32) * HASH_GOLDEN
+    x ^= x >> 16
+    x *= HASH_MIX_1
+    x ^= x >> 15
+    x *= HASH_MIX_2
+    x ^= x >> 16
+    return tl.where((x >> HASH_SHIFT).to(tl.int32) >= threshold, keep_scale, 0.0)
+
+
+def dropout_arguments(keys, q, dropout_p: float) -> tuple:
+    """The kernels' dropout arguments: the keys (B, Hq, L) and their three
+    strides, the threshold and the scale (q and zeros, unused, without)."""
+    if keys is None:
+        return q, 0, 0, 0, 0, 1.0
+    return (keys, *keys.stride(), dropout_threshold(dropout_p),
+            dropout_scale(dropout_p))
 
 
 @triton.jit
@@ -155,8 +189,9 @@ def attention_kernel(
     stride_mb, stride_mh, stride_ml, stride_ms,
     stride_ob, stride_oh, stride_ol, stride_oe,
     stride_lb, stride_lh, stride_ll,
+    keys_ptr, stride_yb, stride_yh, stride_yl, drop_threshold, drop_scale,
     Hq, L, S, E, Ev, GROUP, scale, L_BUCKET, S_BUCKET,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -189,6 +224,9 @@ def attention_kernel(
                      + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms)
     if UPCAST:
         q = q.to(tl.float32)
+    if DROPOUT:
+        row_keys = tl.load(keys_ptr + b * stride_yb + h * stride_yh + offs_m * stride_yl,
+                           mask=row_ok, other=0).to(tl.uint32, bitcast=True)
     qk_scale = scale * LOG2E
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -221,6 +259,9 @@ def attention_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if DROPOUT:  # l sums p as it is; v is weighted by the dropped p
+            p = p * dropout_factors(row_keys[:, None], (start_n + offs_n)[None, :],
+                                    drop_threshold, drop_scale)
         if UPCAST:
             acc = tl.dot(round_to_bfloat16(p), v, acc, input_precision=INPUT_PRECISION)
         else:
@@ -270,11 +311,12 @@ def broadcast_stride(t, dim: int) -> int:
     return t.stride(dim) if t.shape[dim] > 1 else 0
 
 
-def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: AttentionConfig,
-              wrap=direct):
+def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionConfig,
+              wrap=direct, dropout_p: float = 0.0):
     """(o, lse) of the canonical attention call (kernels/attention_shapes.py)
     for torch tensors in any layout: o (B, Hq, L, Ev) in q's dtype, lse
-    (B, Hq, L) float32."""
+    (B, Hq, L) float32; `optional`: [mask][, dropout keys]."""
+    mask, keys = optional_operands(optional, dropout_p)
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     if not (q.dtype == k.dtype == v.dtype) or str(q.dtype).removeprefix("torch.") not in SUPPORTED_DTYPES:
         raise ValueError(f"attention (triton): q, k, v must share one dtype of {SUPPORTED_DTYPES}, "
@@ -298,11 +340,12 @@ def attention(q, k, v, mask=None, *, scale: float, causal: bool, config: Attenti
     args = (
         q, k, v, mask_arg, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *o.stride(), *lse.stride(),
+        *dropout_arguments(keys, q, dropout_p),
         hq, l, s, dims.head_dim, dims.value_dim, dims.group, float(scale),
         length_bucket(l), length_bucket(s),
     )
     meta = dict(
-        HAS_MASK=mask is not None, CAUSAL=bool(causal),
+        HAS_MASK=mask is not None, CAUSAL=bool(causal), DROPOUT=keys is not None,
         BLOCK_E=head_block(dims.head_dim), BLOCK_EV=head_block(dims.value_dim),
         # Upcasting bfloat16 operands to float32 is exact (interpreter_safe_dtype).
         UPCAST=interpreter_safe_dtype(q.dtype) != q.dtype,

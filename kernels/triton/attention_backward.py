@@ -21,6 +21,10 @@ Partitioning" (2023), Algorithm 2, in three launches:
    the key blocks (up to the diagonal when causal), dq += ds k, scaled at the
    end.
 
+Dropout (DROPOUT): each block's mask Z is recomputed from the rows' keys
+as the forward computed it (`dropout_factors`): dv += (pZ)ᵀ do and
+ds = p (dp Z - delta), delta from the dropped o.
+
 Scores are kept in log2 units (times log2 e) for exp2, as in the forward.
 A row the forward found empty has lse = +inf, so its p is 0 everywhere.
 The probabilities and ds are rounded to the operands' dtype before their
@@ -38,13 +42,17 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch_pallas.kernels.attention_shapes import MAX_HEAD_DIM, attention_dims
+from torch_pallas.kernels.attention_shapes import (MAX_HEAD_DIM, attention_dims,
+                                                   optional_operands)
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.triton import direct, interpreter_safe_dtype, interpreting
 from torch_pallas.kernels.triton.attention import (
+    AUTOTUNE_KEY,
     LOG2E,
     SUPPORTED_DTYPES,
     broadcast_stride,
+    dropout_arguments,
+    dropout_factors,
     fitting_configs,
     head_block,
     length_bucket,
@@ -113,9 +121,6 @@ def dq_configs(block_e: int, block_ev: int, itemsize: int) -> list:
     return fitting_configs(DQ_CANDIDATES, estimate)
 
 
-AUTOTUNE_KEY = ["BLOCK_E", "BLOCK_EV", "L_BUCKET", "S_BUCKET", "CAUSAL", "HAS_MASK"]
-
-
 @triton.jit
 def attention_delta_kernel(
     o_ptr, do_ptr, delta_ptr,
@@ -148,10 +153,11 @@ def attention_dkdv_kernel(
     stride_mb, stride_mh, stride_ml, stride_ms,
     stride_db, stride_dh, stride_dl, stride_de,
     stride_lb, stride_lh, stride_ll,
+    keys_ptr, stride_yb, stride_yh, stride_yl, drop_threshold, drop_scale,
     stride_dkb, stride_dkh, stride_dks, stride_dke,
     stride_dvb, stride_dvh, stride_dvs, stride_dve,
     Hkv, L, S, E, Ev, GROUP, scale, L_BUCKET, S_BUCKET,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -195,6 +201,8 @@ def attention_dkdv_kernel(
                          + offs_n[:, None] * stride_ms + (lo + offs_m)[None, :] * stride_ml)
         lse_ptrs = lse_ptr + b * stride_lb + h * stride_lh + (lo + offs_m) * stride_ll
         delta_ptrs = delta_ptr + (b * Hkv * GROUP + h) * L + lo + offs_m
+        if DROPOUT:
+            keys_ptrs = keys_ptr + b * stride_yb + h * stride_yh + (lo + offs_m) * stride_yl
         for start_m in range(lo, L, BLOCK_M):
             rows = start_m + offs_m
             row_ok = rows < L
@@ -214,13 +222,23 @@ def attention_dkdv_kernel(
             # lse = +inf on empty and padding rows: p = exp2(-inf) = 0 there.
             pt = tl.where(visible, tl.exp2(st - lse[None, :] * LOG2E), 0.0)
             dpt = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+            if DROPOUT:  # Zᵀ of this block: dv takes (p Z)ᵀ, dp becomes dp Z
+                row_keys = tl.load(keys_ptrs, mask=row_ok, other=0).to(tl.uint32, bitcast=True)
+                zt = dropout_factors(row_keys[None, :], offs_n[:, None], drop_threshold,
+                                     drop_scale)
+                ptz = pt * zt
+                dpt = dpt * zt
+                keys_ptrs += BLOCK_M * stride_yl
+            else:
+                ptz = pt
             dst = pt * (dpt - delta[None, :])
             if UPCAST:
-                dv = tl.dot(round_to_bfloat16(pt), do, dv, input_precision=INPUT_PRECISION)
+                dv = tl.dot(round_to_bfloat16(ptz), do, dv, input_precision=INPUT_PRECISION)
                 dk = tl.dot(round_to_bfloat16(dst), tl.trans(qt), dk,
                             input_precision=INPUT_PRECISION)
             else:
-                dv = tl.dot(pt.to(do_ptr.dtype.element_ty), do, dv, input_precision=INPUT_PRECISION)
+                dv = tl.dot(ptz.to(do_ptr.dtype.element_ty), do, dv,
+                            input_precision=INPUT_PRECISION)
                 dk = tl.dot(dst.to(q_ptr.dtype.element_ty), tl.trans(qt), dk,
                             input_precision=INPUT_PRECISION)
             qt_ptrs += BLOCK_M * stride_ql
@@ -248,9 +266,10 @@ def attention_dq_kernel(
     stride_mb, stride_mh, stride_ml, stride_ms,
     stride_db, stride_dh, stride_dl, stride_de,
     stride_lb, stride_lh, stride_ll,
+    keys_ptr, stride_yb, stride_yh, stride_yl, drop_threshold, drop_scale,
     stride_dqb, stride_dqh, stride_dql, stride_dqe,
     Hq, L, S, E, Ev, GROUP, scale, L_BUCKET, S_BUCKET,
-    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -277,6 +296,9 @@ def attention_dq_kernel(
     lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ll,
                   mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + bh.to(tl.int64) * L + offs_m, mask=row_ok, other=0.0)
+    if DROPOUT:
+        row_keys = tl.load(keys_ptr + b * stride_yb + h * stride_yh + offs_m * stride_yl,
+                           mask=row_ok, other=0).to(tl.uint32, bitcast=True)
     if UPCAST:
         q, do = q.to(tl.float32), do.to(tl.float32)
     qk_scale = scale * LOG2E
@@ -310,6 +332,9 @@ def attention_dq_kernel(
             visible = visible & (cols[None, :] <= offs_m[:, None])
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, vt, input_precision=INPUT_PRECISION)
+        if DROPOUT:
+            dp = dp * dropout_factors(row_keys[:, None], cols[None, :], drop_threshold,
+                                      drop_scale)
         ds = p * (dp - delta[:, None])
         if UPCAST:
             dq = tl.dot(round_to_bfloat16(ds), tl.trans(kt), dq, input_precision=INPUT_PRECISION)
@@ -341,11 +366,12 @@ def attention_dq_kernel_autotuned(block_e: int, block_ev: int, itemsize: int):
                            key=AUTOTUNE_KEY)(attention_dq_kernel)
 
 
-def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: bool,
-                       config: AttentionBackwardConfig, wrap=direct):
+def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: bool,
+                       config: AttentionBackwardConfig, wrap=direct, dropout_p: float = 0.0):
     """(dq, dk, dv) of the canonical attention call (kernels/attention_shapes.py)
     for torch tensors in any layout, in q's dtype; dk and dv summed over the
-    query heads of each kv head."""
+    query heads of each kv head; `optional`: [mask][, dropout keys]."""
+    mask, keys = optional_operands(optional, dropout_p)
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     name = "attention backward (triton)"
     if (not (q.dtype == k.dtype == v.dtype == o.dtype == do.dtype)
@@ -384,10 +410,11 @@ def attention_backward(q, k, v, o, do, lse, mask=None, *, scale: float, causal: 
         mask_strides = (broadcast_stride(mask, 0), broadcast_stride(mask, 1),
                         mask.stride(2), mask.stride(3))
     operand_strides = (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *do.stride(),
-                       *lse.stride())
+                       *lse.stride(), *dropout_arguments(keys, q, dropout_p))
     sizes = (l, s, e, ev, dims.group, float(scale), length_bucket(l), length_bucket(s))
     meta = dict(
-        HAS_MASK=mask is not None, CAUSAL=bool(causal), BLOCK_E=block_e, BLOCK_EV=block_ev,
+        HAS_MASK=mask is not None, CAUSAL=bool(causal), DROPOUT=keys is not None,
+        BLOCK_E=block_e, BLOCK_EV=block_ev,
         UPCAST=out_dtype != q.dtype, INPUT_PRECISION=config.precision,
     )
     fixed = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n,

@@ -17,6 +17,7 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
                                  enable_gqa: bool = False) -> torch.Tensor:
     """`torch.nn.functional.scaled_dot_product_attention` on
     `torch.ops.pallas.attention` (FlashAttention-style Pallas kernels,
-    float32 softmax statistics, differentiable). `dropout_p` must be 0."""
+    float32 softmax statistics, differentiable, SDPA's dropout when
+    `dropout_p > 0`)."""
     return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                      enable_gqa=enable_gqa)

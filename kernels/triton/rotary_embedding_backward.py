@@ -1,0 +1,18 @@
+"""Rotary embeddings' backward in Triton: the transposed rotation of the
+gradients of q_embed and k_embed,
+
+    dx = (g1 * c1 + g2 * s2,  g2 * c2 - g1 * s1)
+
+one program per token as the forward's (rotary_embedding.py,
+`transpose=True`)."""
+
+from __future__ import annotations
+
+import functools
+
+from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.triton.rotary_embedding import RotaryConfig, rotary_embedding
+
+rotary_embedding_backward = functools.partial(rotary_embedding, transpose=True)
+
+KERNEL = KernelSpec(run=rotary_embedding_backward, default_config=RotaryConfig.default)

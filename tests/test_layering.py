@@ -24,7 +24,8 @@ LAYERS = (
     ("torch_pallas.runtime",),
     ("torch_pallas.library",),
     ("torch_pallas.ops", "torch_pallas.custom_ops"),
-    ("torch_pallas.nn", "torch_pallas.transformers", "torch_pallas.distributed"),
+    ("torch_pallas.nn", "torch_pallas.distributed"),
+    ("torch_pallas.transformers",),  # model patching, on nn's layers and replace_linear
     ("torch_pallas",),  # the public API and the environment report (__main__)
 )
 
@@ -139,5 +140,7 @@ def test_the_rules_catch_what_they_forbid():
         "torch_pallas.custom_ops.kernel_advice"]
     assert upward("torch_pallas.ops.matmul", {"torch_pallas.custom_ops"}) == ["torch_pallas.custom_ops"]
     assert upward("torch_pallas.nn", {"torch_pallas.ops.matmul"}) == []
+    assert upward("torch_pallas.transformers.patching", {"torch_pallas.nn"}) == []
+    assert upward("torch_pallas.nn", {"torch_pallas.transformers"}) == ["torch_pallas.transformers"]
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert "torch_pallas.runtime.launch" in GRAPH["torch_pallas.custom_ops"]  # the graph is read

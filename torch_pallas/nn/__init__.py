@@ -11,7 +11,8 @@ The training ops' layers (RMSNorm, LayerNorm, ...) land here beside
 `Linear`, one module per layer family.
 
 Imports: the ops (`torch_pallas.ops`), as every integration; nothing of
-torch_pallas imports it but the public API.
+torch_pallas imports it but the public API and `torch_pallas.transformers`
+(model patching, the layer above).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""transformers models on the Pallas attention: `attn_implementation="pallas"`.
+"""transformers models on the Pallas ops: `attn_implementation="pallas"` and `apply(model)`.
 
     import torch_pallas.transformers
     torch_pallas.transformers.register()
@@ -11,18 +11,25 @@ attention layer of a model that uses the interface then calls
 masks transformers builds for SDPA (boolean, None where a causal rule
 suffices), so padding masks reach the op. Grouped key/value heads are read
 in place (no `repeat_kv`). Importing `torch_pallas` does not import
-transformers; this module does, when `register()` runs.
+transformers; this module does, when `register()` or `apply()` runs.
 
-The place for the rest of what puts a transformers model on the Pallas ops
-(the one call that patches a model's norms, rotary embeddings, MLPs and
-loss onto the training ops lands here, as `patching.py`). An integration:
-it imports the ops (`torch_pallas.ops`), and nothing of torch_pallas imports
-it but the public API's `torch_pallas.transformers`. The attention function
-and its registration are in attention.py.
+`apply(model)` (patching.py) puts the rest of a model on the Pallas
+training ops in place, in one call: its norms, rotary embeddings, gated
+MLPs, Linear layers, attention and, for causal-LM training, the LM head
+with its loss; it returns a `Report` of what it replaced.
 
-Imports: `torch_pallas.ops`; transformers itself only inside `register()`.
+    report = torch_pallas.transformers.apply(model)
+
+An integration above `torch_pallas.nn`: it imports the ops
+(`torch_pallas.ops`) and nn's drop-in layers and `replace_linear`, and
+nothing of torch_pallas imports it but the public API's
+`torch_pallas.transformers`.
+
+Imports: `torch_pallas.ops`, `torch_pallas.nn`; transformers itself only
+inside `register()` and `apply()`.
 """
 
 from torch_pallas.transformers.attention import NAME, attention_forward, register
+from torch_pallas.transformers.patching import Report, apply
 
-__all__ = ["NAME", "attention_forward", "register"]
+__all__ = ["NAME", "Report", "apply", "attention_forward", "register"]

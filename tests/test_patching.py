@@ -1,0 +1,354 @@
+"""torch_pallas.transformers.apply against the unpatched model: small
+Llama, Mistral, Qwen2 and GPT-2 models built from configs (vocabulary 257,
+hidden 64, two layers, a right-padded batch of 13 and 8 tokens with labels
+ignored at the padding and the prompt), their eval logits, training loss
+and every parameter's gradient; training curves, gradient accumulation
+with `num_items_in_batch`, the report, each kind switched off, the state
+dict, what is left alone and why, and how far the rotary patch reaches.
+The default CPU backend only: the ops' own tests cover the others."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import transformers
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+import torch_pallas
+import torch_pallas.transformers
+from torch_pallas.transformers import patching
+
+VOCAB = 257
+LENGTHS = (13, 8)  # a right-padded batch
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=64)
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SIZES, num_key_value_heads=2),
+    "mistral": lambda: transformers.MistralConfig(**SIZES, num_key_value_heads=2),
+    # Llama's sizes (the kernels built for one serve the others), biased q, k, v
+    "qwen2": lambda: transformers.Qwen2Config(**SIZES, num_key_value_heads=2),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0,
+        embd_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+}
+# What apply finds in each (two layers; Llama-style: 2 norms a layer and the
+# final one, q/k/v/o and gate/up/down, the LM head; GPT-2: ln_1, ln_2, ln_f,
+# c_attn, c_proj, c_fc, c_proj a layer and the LM head).
+LLAMA_COUNTS = dict(attention=2, rms_norm=5, layer_norm=0, rotary=2, swiglu=2, linear=15,
+                    cross_entropy=1)
+COUNTS = {"llama": LLAMA_COUNTS, "mistral": LLAMA_COUNTS, "qwen2": LLAMA_COUNTS,
+          "gpt2": dict(attention=2, rms_norm=0, layer_norm=5, rotary=0, swiglu=0, linear=9,
+                       cross_entropy=1)}
+
+
+def pair(family: str, **kinds):
+    """An unpatched model and a patched copy (the same weights)."""
+    reference = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](),
+                                                              attn_implementation="sdpa")
+    ours = copy.deepcopy(reference)
+    report = torch_pallas.transformers.apply(ours, **kinds)
+    return reference, ours, report
+
+
+def batch(lengths=LENGTHS, prompt=3):
+    """Token ids, their attention mask and labels: -100 at the padding and
+    over each row's first `prompt` tokens."""
+    ids = torch.randint(0, VOCAB, (len(lengths), max(lengths)))
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :prompt] = -100
+    return ids, mask, labels
+
+
+def assert_gradients_match(ours, reference, rtol=1e-4):
+    expected = dict(reference.named_parameters())
+    for name, p in ours.named_parameters():
+        ref = expected[name].grad
+        # float32 reassociation, relative to the gradient's size
+        torch.testing.assert_close(p.grad, ref, rtol=rtol, atol=rtol * ref.abs().max().item(),
+                                   msg=name)
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_logits_loss_and_gradients_match_the_unpatched_model(family):
+    reference, ours, report = pair(family)
+    assert {kind: getattr(report, kind) for kind in patching.KINDS} == COUNTS[family]
+    ids, mask, labels = batch()
+    real = mask.bool()
+
+    outputs = []
+    for model in (reference, ours):
+        model.eval()
+        evaluated = model(input_ids=ids, attention_mask=mask, labels=labels)
+        model.train()
+        trained = model(input_ids=ids, attention_mask=mask, labels=labels)
+        model.zero_grad()
+        trained.loss.backward()
+        outputs.append((evaluated, trained))
+    (ref_eval, ref_train), (our_eval, our_train) = outputs
+
+    # eval: the logits, and the loss computed from them
+    torch.testing.assert_close(our_eval.logits[real], ref_eval.logits[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(our_eval.loss, ref_eval.loss, rtol=1e-5, atol=1e-5)
+    # training with labels: the fused loss, no logits
+    assert our_train.logits is None and ref_train.logits is not None
+    torch.testing.assert_close(our_train.loss, ref_train.loss, rtol=1e-5, atol=1e-5)
+    assert_gradients_match(ours, reference)
+
+
+def test_training_tracks_the_unpatched_loss_curve():
+    """20 AdamW steps on one batch: the patched model's losses follow the
+    unpatched one's step by step (and fall)."""
+    reference, ours, _ = pair("llama")
+    ids, mask, labels = batch()
+    curves = []
+    for model in (reference, ours):
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        losses = []
+        for _ in range(20):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        curves.append(torch.stack(losses))
+    expected, got = curves
+    assert expected[-1] < expected[0] - 1.0  # it learns: the curves can part
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_gradient_accumulation_with_num_items_in_batch():
+    """Two micro-batches with different counts of labelled tokens, each loss
+    summed over its tokens and divided by the count over both (as the
+    Trainer passes `num_items_in_batch`); also with return_dict=False."""
+    reference, ours, _ = pair("llama")
+    micro_batches = [batch(prompt=2), batch(LENGTHS[::-1], prompt=6)]
+    # The labels are shifted by one inside the loss: count what it counts.
+    num_items = torch.tensor(sum(int((labels[:, 1:] != -100).sum())
+                                 for _, _, labels in micro_batches))
+
+    def accumulate(model):
+        model.train()
+        model.zero_grad()
+        total, lengths = 0, []
+        for ids, mask, labels in micro_batches:
+            out = model(input_ids=ids, attention_mask=mask, labels=labels,
+                        num_items_in_batch=num_items, return_dict=False)
+            out[0].backward()
+            total, lengths = total + out[0].detach(), lengths + [len(out)]
+        return total, lengths
+
+    (expected, ref_lengths), (got, our_lengths) = accumulate(reference), accumulate(ours)
+    assert our_lengths == [n - 1 for n in ref_lengths]  # the tuples without their logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert_gradients_match(ours, reference)
+
+
+def patched_kinds(model) -> set[str]:
+    """The kinds `model` runs on the Pallas ops, read from its modules."""
+    found = set()
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "pallas":
+        found.add("attention")
+    for m in model.modules():
+        kind = patching.patched_as(m)
+        if kind in patching.KINDS:
+            found.add(kind)
+        if isinstance(m, torch_pallas.nn.LayerNorm):
+            found.add("layer_norm")
+    if torch_pallas.nn.converted(model):
+        found.add("linear")
+    return found
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", patching.KINDS)
+def test_each_kind_switches_off(family, kind):
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[family]())
+    report = torch_pallas.transformers.apply(model, **{kind: False})
+    assert getattr(report, kind) is None
+    present = {k for k, count in COUNTS[family].items() if count}
+    assert patched_kinds(model) == present - {kind}
+    if kind == "cross_entropy":
+        assert model.loss_function is ForCausalLMLoss
+    assert f"  {kind:<14}off" in str(report)
+
+
+def test_state_dict_and_save_pretrained_are_unchanged(tmp_path):
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    model.save_pretrained(tmp_path / "before")
+    torch_pallas.transformers.apply(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for name, t in after.items():
+        assert torch.equal(t, before[name]), name
+    model.save_pretrained(tmp_path / "after")
+    files = sorted(p.name for p in (tmp_path / "before").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "after").iterdir())
+    for name in files:
+        assert (tmp_path / "before" / name).read_bytes() == (tmp_path / "after" / name).read_bytes(), name
+
+
+def test_apply_twice_deepcopy_and_pickle_keep_the_patch():
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    first = torch_pallas.transformers.apply(model)
+    second = torch_pallas.transformers.apply(model)
+    assert str(second) == str(first)
+    clone = copy.deepcopy(model)
+    # The copy's forwards are bound to the copy's modules, not the original's.
+    assert clone.forward.module is clone and clone.loss_function.module is clone
+    assert clone.lm_head.forward.module is clone.lm_head
+    assert clone.model.layers[0].mlp.forward.module is clone.model.layers[0].mlp
+    assert patched_kinds(clone) == patched_kinds(model) == set(patching.KINDS) - {"layer_norm"}
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert patched_kinds(loaded) == patched_kinds(model)
+    assert loaded.model.layers[1].self_attn.forward.module is loaded.model.layers[1].self_attn
+
+
+def test_the_rotary_patch_reaches_only_the_patched_model(monkeypatch):
+    """The modeling file's apply_rotary_pos_emb is shared by every Llama:
+    an unpatched one built beside a patched one keeps transformers' own."""
+    calls = []
+    monkeypatch.setattr(patching, "pallas_rotary_embedding",
+                        lambda *args: calls.append(1) or patching.torch_rotary_embedding(*args))
+    off = {kind: False for kind in patching.KINDS if kind != "rotary"}
+    reference, ours, report = pair("llama", **off)
+    assert report.rotary == 2
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+        assert calls == []
+        got = ours(input_ids=ids, attention_mask=mask).logits
+    assert len(calls) == 2  # one per layer
+    torch.testing.assert_close(got, expected)
+
+
+class OffsetRMSNorm(torch.nn.Module):
+    """Gemma's form: normed * (1 + weight); not Llama's."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(n))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return normed * (1 + self.weight)
+
+
+class GeluMLP(torch.nn.Module):
+    """A gated MLP on GELU (as Gemma's): not SwiGLU."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(n, 2 * n), torch.nn.Linear(n, 2 * n)
+        self.down_proj = torch.nn.Linear(2 * n, n)
+        self.act_fn = torch.nn.GELU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_modules_that_compute_something_else_are_left_alone_and_reported():
+    model = torch.nn.Sequential(OffsetRMSNorm(16), GeluMLP(16))
+    x = torch.randn(3, 16)
+    expected = model(x)
+    with pytest.warns(UserWarning, match="recognised nothing"):
+        report = torch_pallas.transformers.apply(model, linear=False)
+    assert report.total == 0
+    assert any("0 (OffsetRMSNorm)" in item and "Llama" in item for item in report.left_alone)
+    assert any("1 (GeluMLP)" in item and "silu" in item for item in report.left_alone)
+    assert patched_kinds(model) == set()
+    torch.testing.assert_close(model(x), expected)
+    assert "left alone: 0 (OffsetRMSNorm)" in str(report)
+
+
+def test_a_model_it_recognises_nothing_in_warns():
+    model = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Tanh())
+    with pytest.warns(UserWarning, match=r"torch_pallas.transformers.apply: recognised nothing .* "
+                                         r"in Sequential"):
+        report = torch_pallas.transformers.apply(model)
+    assert report.total == 0
+
+
+def test_verbose_prints_the_report(capsys):
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["gpt2"]())
+    report = torch_pallas.transformers.apply(model, verbose=True, rotary=False)
+    printed = capsys.readouterr().out
+    assert printed.strip() == str(report)
+    assert f"  {'layer_norm':<14}  5  LayerNorm" in printed
+    assert f"  {'rotary':<14}off" in printed
+
+
+def test_a_model_that_is_not_a_module_is_refused():
+    with pytest.raises(TypeError, match="torch_pallas.transformers.apply: model must be a "
+                                        "torch.nn.Module, got str"):
+        torch_pallas.transformers.apply("not a model")
+
+
+def test_any_module_holding_what_it_knows_is_patched():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    x = torch.randn(3, 8)
+    expected = model(x)
+    report = torch_pallas.transformers.apply(model)
+    assert (report.linear, report.layer_norm, report.total) == (1, 1, 2)
+    torch.testing.assert_close(model(x), expected)
+
+
+@pytest.mark.parametrize("kind", [*patching.KINDS, "verbose"])
+def test_a_keyword_that_is_not_a_bool_is_refused(kind):
+    with pytest.raises(TypeError, match=rf"torch_pallas.transformers.apply: {kind} must be True "
+                                        r"or False, got 'yes'"):
+        torch_pallas.transformers.apply(torch.nn.Linear(2, 2), **{kind: "yes"})
+
+
+@pytest.mark.exhaustive
+def test_bfloat16_llama_matches_within_bfloat16_rounding():
+    reference, ours, _ = pair("llama")
+    reference.to(torch.bfloat16), ours.to(torch.bfloat16)
+    ids, mask, labels = batch()
+    losses = []
+    for model in (reference, ours):
+        model.train()
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-2)
+    assert_gradients_match(ours, reference, rtol=5e-2)
+
+
+@pytest.mark.exhaustive
+def test_compiled_training_step_of_a_patched_model_equals_eager():
+    """The loss of a patched Llama compiled with fullgraph=True (the rotary
+    flag, the LM head passing through, the fused loss all traced), two AdamW
+    steps, against the same patched model run eagerly."""
+    _, eager, _ = pair("llama")
+    compiled = copy.deepcopy(eager)
+    ids, mask, labels = batch()
+    losses = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        model.train()
+        run = lambda ids, mask, labels, model=model: model(  # noqa: E731
+            input_ids=ids, attention_mask=mask, labels=labels).loss
+        if name == "compiled":
+            run = torch.compile(run, fullgraph=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses[name] = []
+        for _ in range(2):
+            loss = run(ids, mask, labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses[name].append(loss.detach())
+    torch.testing.assert_close(losses["compiled"], losses["eager"], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,609 @@
+"""`torch_pallas.transformers.apply(model)`: a transformers model's layers
+onto the Pallas training ops, in place, in one call (as Liger-Kernel's
+`apply_liger_kernel_to_*` does, but on a model instance).
+
+    model = AutoModelForCausalLM.from_config(config)
+    print(torch_pallas.transformers.apply(model))  # what now runs on the ops
+
+What it recognises, by what a module is and computes rather than by a list
+of model names, so that every model built from the same transformers
+modules is covered (Llama, Mistral, Qwen2, GPT-2 and their relatives):
+
+| kind          | recognised as                                                  | then runs on                     |
+|---------------|----------------------------------------------------------------|----------------------------------|
+| attention     | modules that dispatch through transformers' AttentionInterface | attn_implementation="pallas"     |
+| rms_norm      | torch.nn.RMSNorm; `*RMSNorm` modules computing Llama's RMSNorm | rms_norm                         |
+| layer_norm    | torch.nn.LayerNorm (the class itself, not subclasses)          | layer_norm                       |
+| rotary        | attention modules calling their modeling file's rotate-half    | rotary_embedding                 |
+|               | `apply_rotary_pos_emb`                                         |                                  |
+| swiglu        | gated MLPs: `down_proj(act_fn(gate_proj(x)) * up_proj(x))`,    | swiglu                           |
+|               | act_fn SiLU                                                    |                                  |
+| linear        | torch.nn.Linear, transformers' Conv1D                          | matmul (`nn.replace_linear`)     |
+| cross_entropy | a causal LM whose loss is transformers' ForCausalLMLoss on its | linear_cross_entropy             |
+|               | linear output embeddings (the LM head)                         |                                  |
+
+A model's own module classes (its RMSNorm, its MLP, its rotary function)
+are checked once per class on a small random input against the
+composition they are replaced by, and left alone (listed in the report)
+when they compute something else: Gemma's `(1 + weight)` RMSNorm, a GELU
+MLP, an interleaved rotary embedding. (A partial rotary embedding, cos
+narrower than the heads, is handed to transformers' function call by
+call.) Modules on the meta device are taken by their structure alone.
+
+How each is patched, on this model only:
+- attention: `register()` and `model.set_attn_implementation("pallas")`
+  (the model's config; config.json is written as before);
+- torch.nn.RMSNorm, torch.nn.LayerNorm, Linear, Conv1D: the module's class
+  becomes torch_pallas.nn's drop-in subclass (as `replace_linear` does);
+- a model's own RMSNorm and MLP classes, its attention modules (rotary) and
+  the LM head and model (cross_entropy): the module's `forward`, set on the
+  instance (a `Bound` function: `copy.deepcopy` binds the copy's to the
+  copy, and `torch.save(model)` loads back patched);
+- rotary: transformers' attention modules call the module-level function
+  `apply_rotary_pos_emb` of their modeling file. That name, in that file,
+  becomes (once per process and file) a dispatcher that calls
+  `rotary_embedding` while a patched attention module's forward runs on
+  the same thread (its forward sets a thread-local flag around the
+  original) and transformers' own function otherwise: another model of the
+  same family that was not patched keeps computing as before.
+- cross_entropy: in training mode with `labels`, the model's forward runs
+  with its LM head passing the hidden states through and its
+  `loss_function` computing the loss from them with `linear_cross_entropy`
+  (label shift, `ignore_index`, `shift_labels` and `num_items_in_batch` as
+  ForCausalLMLoss does), so the (tokens x vocabulary) logits never exist;
+  the output's `logits` is then None (as with Liger-Kernel: a Trainer with
+  `label_smoothing_factor`, which reads the logits, needs
+  `cross_entropy=False`). In eval mode, or without labels, the logits come
+  back as before.
+
+Parameters, buffers and the state dict are left as they are (the same
+tensors, the same keys), so `save_pretrained` writes what it wrote before
+and an optimizer already holding the parameters keeps working. To undo,
+reload the model (`from_pretrained`, or a fresh instance and its state
+dict): nothing here is reverted in place.
+
+Imports: the ops (`torch_pallas.ops`) and `torch_pallas.nn` (its drop-ins
+and `replace_linear`); transformers only inside `apply`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+import threading
+import typing
+import warnings
+
+import torch
+
+from torch_pallas import nn as pallas_nn
+# Named pallas_* here: apply's keywords (rms_norm=, swiglu=) carry the ops' names.
+from torch_pallas.ops.linear_cross_entropy import linear_cross_entropy as pallas_linear_cross_entropy
+from torch_pallas.ops.rms_norm import rms_norm as pallas_rms_norm
+from torch_pallas.ops.rotary_embedding import rotary_embedding as pallas_rotary_embedding
+from torch_pallas.ops.rotary_embedding import torch_rotary_embedding
+from torch_pallas.ops.swiglu import swiglu as pallas_swiglu
+from torch_pallas.transformers import attention as pallas_attention
+
+WHERE = "torch_pallas.transformers.apply"
+KINDS = ("attention", "rms_norm", "layer_norm", "rotary", "swiglu", "linear", "cross_entropy")
+
+
+@dataclasses.dataclass
+class Report:
+    """What `apply` left running on the Pallas ops, counted per kind (None:
+    the kind was switched off), and what it recognised but left alone, and
+    why. Modules already patched by an earlier `apply` count again."""
+
+    model: str
+    attention: int | None = None  # attention modules on attn_implementation="pallas"
+    rms_norm: int | None = None  # RMSNorm modules
+    layer_norm: int | None = None  # torch.nn.LayerNorm modules
+    rotary: int | None = None  # attention modules whose rotary embedding runs on the op
+    swiglu: int | None = None  # gated MLPs
+    linear: int | None = None  # Linear and Conv1D layers on the Pallas matmul
+    cross_entropy: int | None = None  # 1: the LM head and loss fused in training
+    left_alone: list[str] = dataclasses.field(default_factory=list)
+
+    WHAT: typing.ClassVar[dict[str, str]] = {
+        "attention": 'attention modules on attn_implementation="pallas"',
+        "rms_norm": "RMSNorm modules on torch_pallas.rms_norm",
+        "layer_norm": "LayerNorm modules on torch_pallas.layer_norm",
+        "rotary": "attention modules' rotary embeddings on torch_pallas.rotary_embedding",
+        "swiglu": "gated MLPs on torch_pallas.swiglu",
+        "linear": "Linear/Conv1D layers on torch_pallas.matmul",
+        "cross_entropy": "LM head + loss on torch_pallas.linear_cross_entropy (training, labels)",
+    }
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, kind) or 0 for kind in KINDS)
+
+    def __str__(self) -> str:
+        lines = [f"{WHERE}({self.model}), in place:"]
+        for kind in KINDS:
+            count = getattr(self, kind)
+            what = "off" if count is None else f"{count:3d}  {self.WHAT[kind]}"
+            lines.append(f"  {kind:<14}{what}")
+        lines += [f"  left alone: {item}" for item in self.left_alone]
+        return "\n".join(lines)
+
+
+def apply(model: torch.nn.Module, *, attention: bool = True, rms_norm: bool = True,
+          layer_norm: bool = True, rotary: bool = True, swiglu: bool = True,
+          linear: bool = True, cross_entropy: bool = True, verbose: bool = False) -> Report:
+    """Puts `model` (a transformers model, or any module holding their
+    layers) on the Pallas training ops IN PLACE and returns a `Report` of
+    what now runs on them. Each keyword switches one kind off (the table in
+    this module's docstring says what each covers); `verbose=True` prints
+    the report. Warns (UserWarning) when it recognises nothing.
+
+    Values, losses and gradients stay the model's own within the dtype's
+    rounding; parameters, buffers and the state dict are untouched (the
+    same tensors), so `save_pretrained` writes what it wrote before. There
+    is no undo in place: reload the model (`from_pretrained`, or a fresh
+    instance and its state dict) to have it unpatched.
+    """
+    flags = dict(attention=attention, rms_norm=rms_norm, layer_norm=layer_norm, rotary=rotary,
+                 swiglu=swiglu, linear=linear, cross_entropy=cross_entropy, verbose=verbose)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{WHERE}: model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{WHERE}: {name} must be True or False, got {value!r}")
+
+    report, checks = Report(type(model).__name__), _Checks()
+    # Each kind's modules are checked against torch's composition as they are
+    # patched; Linear layers go last, so that those checks run on torch's products.
+    steps = (("attention", _attention), ("rms_norm", _rms_norms), ("layer_norm", _layer_norms),
+             ("rotary", _rotary), ("swiglu", _gated_mlps), ("cross_entropy", _fused_loss),
+             ("linear", _linears))
+    for kind, patch in steps:
+        if flags[kind]:
+            setattr(report, kind, patch(model, checks))
+    report.left_alone = checks.left_alone
+    if verbose:
+        print(report)
+    if report.total == 0:
+        asked = [kind for kind in KINDS if flags[kind]]
+        warnings.warn(f"{WHERE}: recognised nothing to put on the Pallas ops in "
+                      f"{type(model).__name__} (looked for: {', '.join(asked) or 'nothing'}); "
+                      "it runs as before", UserWarning, stacklevel=2)
+    return report
+
+
+# --- shared helpers ------------------------------------------------------------
+
+class Bound:
+    """A function of `apply`'s bound to one module, set on that instance
+    (its forward, a model's loss_function): `BOUND[name](type(module))`,
+    called with the module first. Pickled and deep-copied as (module, name),
+    so a copy's is bound to the copy and `torch.save(model)` loads back
+    patched; `inspect.signature` sees the function's (transformers reads a
+    model's forward's)."""
+
+    def __init__(self, module: torch.nn.Module, name: str):
+        self.module, self.name = module, name
+        self.function = BOUND[name](type(module))
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.module, *args, **kwargs)
+
+    def __reduce__(self):
+        return Bound, (self.module, self.name)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        signature = inspect.signature(self.function)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def patched_as(module: torch.nn.Module) -> str | None:
+    """What `apply` set `module`'s forward to (a name of BOUND), if anything."""
+    forward = vars(module).get("forward")
+    return forward.name if isinstance(forward, Bound) else None
+
+
+def _bind(module: torch.nn.Module, attribute: str, name: str) -> None:
+    setattr(module, attribute, Bound(module, name))
+
+
+def _innermost_forward(cls: type):
+    """`cls.forward` under its decorators (functools.wraps' `__wrapped__`):
+    the function whose code and globals are the modeling file's."""
+    return inspect.unwrap(cls.forward)
+
+
+def _calls(cls: type, name: str) -> bool:
+    """Whether `cls.forward` reads the global `name` (calls it, as written
+    in its modeling file)."""
+    code = getattr(_innermost_forward(cls), "__code__", None)
+    return code is not None and name in code.co_names
+
+
+def _agree(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Equal within the dtype's rounding (a probe's check, not a test's)."""
+    if not (isinstance(got, torch.Tensor) and got.shape == expected.shape):
+        return False
+    tolerance = 1e-4 if got.dtype in (torch.float32, torch.float64) else 2e-2
+    return torch.allclose(got.float(), expected.float(), rtol=tolerance,
+                          atol=tolerance * (1 + expected.abs().max().item()))
+
+
+def _probe(module: torch.nn.Module, own, ours) -> bool:
+    """`own()` (the module's computation) and `ours()` (what replaces it)
+    agree, computed in eval mode without gradients."""
+    training = module.training
+    try:
+        module.eval()
+        with torch.no_grad():
+            return _agree(ours(), own())
+    finally:
+        module.train(training)
+
+
+class _Checks:
+    """What `apply` learns of a model's modules: each kind of module (a
+    class, or the modeling file its forward reads) checked once, on the
+    first module of that kind, and the modules left alone, with why."""
+
+    def __init__(self):
+        self.left_alone: list[str] = []
+        self._verdicts: dict = {}
+
+    def leave_alone(self, name: str, module: torch.nn.Module, why: str) -> None:
+        self.left_alone.append(f"{name or '(the model)'} ({type(module).__name__}): {why}")
+
+    def passes(self, key, check, name: str, module: torch.nn.Module, why: str) -> bool:
+        """`check()`'s verdict for `key`, computed once; a module failing
+        it is reported (the first of its kind) as left alone because `why`."""
+        if key not in self._verdicts:
+            self._verdicts[key] = bool(check())
+            if not self._verdicts[key]:
+                self.leave_alone(name, module, why)
+        return self._verdicts[key]
+
+
+# --- attention -----------------------------------------------------------------
+
+def _attention(model, checks: _Checks) -> int:
+    """attn_implementation="pallas" for the modules that dispatch through
+    transformers' AttentionInterface (they read `config._attn_implementation`)."""
+    layers = [m for m in model.modules() if _calls(type(m), "ALL_ATTENTION_FUNCTIONS")]
+    if not layers:
+        return 0
+    if not callable(getattr(model, "set_attn_implementation", None)):
+        checks.leave_alone("", model, f"{len(layers)} attention modules, but the model has no "
+                           "set_attn_implementation (pass a transformers PreTrainedModel)")
+        return 0
+    pallas_attention.register()
+    model.set_attn_implementation(pallas_attention.NAME)
+    return len(layers)
+
+
+# --- RMSNorm and LayerNorm -----------------------------------------------------
+
+def _rms_norm_epsilon(module: torch.nn.Module) -> float | None:
+    """The epsilon of a module shaped like transformers' RMSNorm: a class
+    named *RMSNorm holding one 1-D `weight` and a float `variance_epsilon`,
+    nothing else; None for anything else."""
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", None)
+    shaped = (type(module).__name__.lower().endswith("rmsnorm")
+              and isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
+              and isinstance(eps, float) and len(list(module.parameters())) == 1
+              and not list(module.children()))
+    return eps if shaped else None
+
+
+def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Llama's RMSNorm: normalised in float32, rounded to the input's dtype,
+    then times the weight (`weight * normed.to(input_dtype)`, in the
+    weight's and input's promoted dtype). One fused op where the two dtypes
+    agree (one rounding where Llama has two, within the dtype's rounding);
+    the weight's product apart where they differ (a float32 weight on
+    bfloat16 activations gives float32, as Llama's does)."""
+    shape = (hidden_states.shape[-1],)
+    if self.weight.dtype == hidden_states.dtype:
+        return pallas_rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
+    return self.weight * pallas_rms_norm(hidden_states, shape, None, self.variance_epsilon)
+
+
+def _computes_llama_rms_norm(module: torch.nn.Module, eps: float) -> bool:
+    """On a copy with a random weight (a fresh model's are ones, which would
+    hide a forward that ignores or offsets them)."""
+    if module.weight.is_meta:
+        return True
+    probe = copy.deepcopy(module)
+    with torch.no_grad():
+        probe.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, probe.weight.shape[0], dtype=probe.weight.dtype,
+                    device=probe.weight.device)
+
+    def llama():
+        normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+        return probe.weight * normed.to(x.dtype)
+
+    return _probe(probe, lambda: type(probe).forward(probe, x), llama)
+
+
+def _rms_norms(model, checks: _Checks) -> int:
+    count = 0
+    for name, m in model.named_modules():
+        if type(m) is torch.nn.RMSNorm:
+            m.__class__ = pallas_nn.RMSNorm
+        elif not (isinstance(m, pallas_nn.RMSNorm) or patched_as(m) == "rms_norm"):
+            eps = _rms_norm_epsilon(m)
+            if eps is None or not checks.passes(
+                    type(m), lambda: _computes_llama_rms_norm(m, eps), name, m,
+                    "an RMSNorm that computes something other than Llama's "
+                    "weight * normed.to(input dtype)"):
+                continue
+            _bind(m, "forward", "rms_norm")
+        count += 1
+    return count
+
+
+def _layer_norms(model, checks: _Checks) -> int:
+    count = 0
+    for m in model.modules():
+        if type(m) is torch.nn.LayerNorm:
+            m.__class__ = pallas_nn.LayerNorm
+        elif not isinstance(m, pallas_nn.LayerNorm):
+            continue
+        count += 1
+    return count
+
+
+# --- rotary embeddings -----------------------------------------------------------
+
+ROTARY = "apply_rotary_pos_emb"
+# True while a patched attention module's forward runs on this thread: the
+# dispatchers below then call the Pallas op.
+_rotary_on = threading.local()
+
+
+def _rotary_dispatcher(original):
+    """What a modeling file's `apply_rotary_pos_emb` becomes: `original`
+    (transformers' own), unless a patched attention module is running."""
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        # Partial rotary (cos narrower than the heads) stays transformers'.
+        if getattr(_rotary_on, "value", False) and cos.shape[-1] == q.shape[-1]:
+            return pallas_rotary_embedding(q, k, cos, sin, unsqueeze_dim)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.torch_pallas_original = original
+    return apply_rotary_pos_emb
+
+
+@functools.cache
+def _with_pallas_rotary(cls: type):
+    """`cls.forward` with the Pallas rotary embedding switched on around it
+    (its signature kept, for the callers that inspect it)."""
+    forward = cls.forward
+
+    @functools.wraps(forward)
+    def forward_with_pallas_rotary(self, *args, **kwargs):
+        before = getattr(_rotary_on, "value", False)
+        _rotary_on.value = True
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _rotary_on.value = before
+
+    return forward_with_pallas_rotary
+
+
+def _is_rotate_half(function) -> bool:
+    """`function(q, k, cos, sin, unsqueeze_dim=1)` computes the rotate-half
+    embedding (Llama's), checked on random grouped-head inputs."""
+    if not callable(function):
+        return False
+    parameters = list(inspect.signature(function).parameters.values())
+    if len(parameters) != 5 or parameters[4].name != "unsqueeze_dim" or parameters[4].default != 1:
+        return False
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
+    cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    with torch.no_grad():
+        got, expected = function(q, k, cos, sin, 1), torch_rotary_embedding(q, k, cos, sin, 1)
+    return all(_agree(g, e) for g, e in zip(got, expected))
+
+
+def _install_rotary_dispatcher(namespace: dict) -> bool:
+    """The dispatcher in a modeling file's namespace (once) if its
+    `apply_rotary_pos_emb` is the rotate-half embedding; whether it is."""
+    current = namespace.get(ROTARY)
+    original = getattr(current, "torch_pallas_original", current)
+    if not _is_rotate_half(original):
+        return False
+    if current is original:
+        namespace[ROTARY] = _rotary_dispatcher(original)
+    return True
+
+
+def _rotary(model, checks: _Checks) -> int:
+    count = 0
+    for name, m in model.named_modules():
+        cls = type(m)
+        if not _calls(cls, ROTARY):
+            continue
+        if patched_as(m) != "rotary":
+            namespace = _innermost_forward(cls).__globals__  # where its forward looks the name up
+            if not checks.passes(id(namespace), lambda: _install_rotary_dispatcher(namespace),
+                                 name, m, f"its {namespace.get('__name__')}.{ROTARY} is not "
+                                 "the rotate-half embedding of Llama"):
+                continue
+            _bind(m, "forward", "rotary")
+        count += 1
+    return count
+
+
+# --- gated MLPs ------------------------------------------------------------------
+
+def _swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(pallas_swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _computes_swiglu_mlp(module: torch.nn.Module) -> bool:
+    weight = getattr(module.gate_proj, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return False
+    if weight.is_meta:
+        return True
+    x = torch.randn(2, 3, weight.shape[1], dtype=weight.dtype, device=weight.device)
+
+    def swiglu_mlp():
+        silu = torch.nn.functional.silu
+        return module.down_proj(silu(module.gate_proj(x)) * module.up_proj(x))
+
+    return _probe(module, lambda: type(module).forward(module, x), swiglu_mlp)
+
+
+def _gated_mlps(model, checks: _Checks) -> int:
+    count = 0
+    for name, m in model.named_modules():
+        if not all(isinstance(getattr(m, p, None), torch.nn.Module)
+                   for p in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            continue
+        if patched_as(m) != "swiglu":
+            if not checks.passes(type(m), lambda: _computes_swiglu_mlp(m), name, m,
+                                 "a gated MLP whose forward is not "
+                                 "down_proj(silu(gate_proj(x)) * up_proj(x))"):
+                continue
+            _bind(m, "forward", "swiglu")
+        count += 1
+    return count
+
+
+# --- Linear and Conv1D -------------------------------------------------------------
+
+def _linears(model, checks: _Checks) -> int:
+    with warnings.catch_warnings():  # apply warns itself when it finds nothing at all
+        warnings.simplefilter("ignore", UserWarning)
+        pallas_nn.replace_linear(model)
+    return len(pallas_nn.converted(model))
+
+
+# --- the LM head and its loss --------------------------------------------------------
+
+FUSING = "_torch_pallas_fusing"  # on the LM head: True while the model's forward fuses
+HIDDEN = "_torch_pallas_hidden"  # on the LM head: the hidden states it passed through
+
+
+def _lm_head_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The LM head: its own forward, or, while the model fuses its loss,
+    the hidden states themselves, kept for the loss function."""
+    if getattr(self, FUSING, False):
+        setattr(self, HIDDEN, hidden_states)
+        return hidden_states
+    return type(self).forward(self, hidden_states)
+
+
+def _fused_causal_lm_loss(self, logits, labels, vocab_size: int, num_items_in_batch=None,
+                          ignore_index: int = -100, shift_labels=None, **kwargs):
+    """The model's `loss_function`: transformers' ForCausalLMLoss, computed
+    by `linear_cross_entropy` from the LM head's input while the model
+    fuses (its label shift, `ignore_index`, `shift_labels`, and
+    `num_items_in_batch`: the sum over the tokens divided by it)."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    head = self.get_output_embeddings()
+    hidden = getattr(head, HIDDEN, None)
+    if hidden is None:  # real logits: eval mode with labels, or not fusing
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
+                               shift_labels, **kwargs)
+    if logits is not hidden:
+        raise RuntimeError(
+            f"{WHERE}: {type(self).__name__}'s forward changes the LM head's output before its "
+            "loss (a softcap or scale, say), so the fused loss cannot stand in for it; apply "
+            "with cross_entropy=False")
+    if shift_labels is None:  # tokens < n predict n, as ForCausalLMLoss shifts them
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = pallas_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
+                                shift_labels.reshape(-1).to(hidden.device), head.bias,
+                                ignore_index=ignore_index, reduction=reduction)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+@functools.cache
+def _fusing_forward(cls: type):
+    """`cls.forward` (a causal LM's) with, in training mode with labels, the
+    LM head passing its input through to the fused loss; the output then
+    has no logits."""
+    forward = cls.forward
+    names = list(inspect.signature(forward).parameters)
+    labels_at = names.index("labels") - 1  # among the positional arguments after self
+
+    @functools.wraps(forward)
+    def forward_fusing_the_loss(self, *args, **kwargs):
+        labels = kwargs.get("labels", args[labels_at] if len(args) > labels_at else None)
+        if not (self.training and labels is not None):
+            return forward(self, *args, **kwargs)
+        head = self.get_output_embeddings()
+        setattr(head, FUSING, True)
+        try:
+            outputs = forward(self, *args, **kwargs)
+        finally:
+            setattr(head, FUSING, False)
+            setattr(head, HIDDEN, None)
+        return _without_logits(outputs)
+
+    return forward_fusing_the_loss
+
+
+def _without_logits(outputs):
+    """A causal LM's output with its logits (the hidden states, here) gone:
+    the field None, or, for return_dict=False, the tuple without them (as
+    transformers' to_tuple leaves out a None field)."""
+    if isinstance(outputs, tuple):  # (loss, logits, ...)
+        return outputs[:1] + outputs[2:]
+    return type(outputs)(**{key: value for key, value in outputs.items() if key != "logits"})
+
+
+def _fused_loss(model, checks: _Checks) -> int:
+    """The LM head and loss of a causal LM onto linear_cross_entropy."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    loss_function = getattr(model, "loss_function", None) if head is not None else None
+    if isinstance(loss_function, Bound):
+        return 1  # an earlier apply
+    if type(head) not in (torch.nn.Linear, pallas_nn.Linear):
+        return 0
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    why = None
+    if loss_function is not ForCausalLMLoss:
+        why = f"its loss_function is {getattr(loss_function, '__name__', loss_function)}, not ForCausalLMLoss"
+    elif "labels" not in inspect.signature(type(model).forward).parameters:
+        why = "its forward takes no labels"
+    elif getattr(getattr(model, "config", None), "final_logit_softcapping", None) is not None:
+        why = "it softcaps its logits before the loss"
+    if why is not None:
+        checks.leave_alone("", model, f"LM head and loss: {why}")
+        return 0
+    _bind(head, "forward", "lm_head")
+    _bind(model, "forward", "cross_entropy")
+    _bind(model, "loss_function", "loss_function")
+    return 1
+
+
+# The functions `apply` binds to module instances, by the name a pickle
+# records: each made for the module's class.
+BOUND = {
+    "rms_norm": lambda cls: _llama_rms_norm_forward,
+    "rotary": _with_pallas_rotary,
+    "swiglu": lambda cls: _swiglu_mlp_forward,
+    "lm_head": lambda cls: _lm_head_forward,
+    "cross_entropy": _fusing_forward,
+    "loss_function": lambda cls: _fused_causal_lm_loss,
+}

@@ -4,13 +4,17 @@ hidden 64, two layers, a right-padded batch of 13 and 8 tokens with labels
 ignored at the padding and the prompt), their eval logits, training loss
 and every parameter's gradient; training curves, gradient accumulation
 with `num_items_in_batch`, the report, each kind switched off, the state
-dict, what is left alone and why, and how far the rotary patch reaches.
+dict, what is left alone and why, how far the rotary patch reaches, and
+examples/train_llama.py.
 The default CPU backend only: the ops' own tests cover the others."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import io
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,6 +315,25 @@ def test_a_keyword_that_is_not_a_bool_is_refused(kind):
     with pytest.raises(TypeError, match=rf"torch_pallas.transformers.apply: {kind} must be True "
                                         r"or False, got 'yes'"):
         torch_pallas.transformers.apply(torch.nn.Linear(2, 2), **{kind: "yes"})
+
+
+def test_the_training_demo_runs_and_its_two_runs_agree(capsys, monkeypatch, tmp_path):
+    """examples/train_llama.py, two steps of a tiny Llama on each side, and
+    its plot."""
+    path = Path(__file__).resolve().parent.parent / "examples" / "train_llama.py"
+    spec = importlib.util.spec_from_file_location("train_llama", path)
+    demo = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "train_llama", demo)  # for its dataclass
+    spec.loader.exec_module(demo)
+    runs = demo.main(["--steps", "2", "--hidden", "32", "--layers", "1", "--seq-len", "8",
+                      "--batch-size", "2", "--plot", str(tmp_path / "losses.png")])
+    assert [run.name for run in runs] == ["torch", "torch_pallas"]
+    torch.testing.assert_close(runs[1].losses, runs[0].losses, rtol=1e-4, atol=1e-4)
+    assert all(run.tokens_per_second > 0 and run.peak_memory is not None for run in runs)
+    printed = capsys.readouterr().out
+    assert "swiglu          1  gated MLPs" in printed  # the report
+    assert "tokens/s" in printed and "peak memory" in printed
+    assert (tmp_path / "losses.png").stat().st_size > 0
 
 
 @pytest.mark.exhaustive

@@ -2,7 +2,13 @@
 against the same model unconverted, in one run: a training step, the first
 pass over a batch of changing lengths (every new length builds kernels:
 torch_pallas.runtime.shape_buckets bounds how many) and `generate` with the KV
-cache. Throughput in tokens/s and the ratio to torch.
+cache. Throughput in tokens/s and the ratio to torch. And a training step of
+the model patched by `torch_pallas.transformers.apply` (norms, rotary
+embeddings, SwiGLU, Linear layers, attention, and the LM head with its loss
+fused) against the unpatched one at vocabulary 32000, with each step's peak
+memory (bench/memory.py: a fresh process's peak resident set on the CPU,
+torch's allocator's peak on a GPU) in the JSON as `peak_bytes` (and
+`peak_vs_torch`).
 
 The two models are timed side by side, round by round: each round of the
 converted model follows one round of the unconverted one, timed too (the
@@ -19,7 +25,8 @@ tests on a shared machine).
 CPU: vocabulary 4096, hidden 512, 2 layers, 8 heads (4 key/value heads),
 intermediate 1376; training batch 4 x 256 tokens, in float32 and with the
 models in bfloat16, and in float32 at hidden 1024 (16 heads, 8 key/value
-heads, intermediate 2752); the changing lengths
+heads, intermediate 2752); the patched step in float32 at vocabulary
+32000; the changing lengths
 are 100, 110, ..., 190 tokens at batch 4, each compile cache cleared
 before a round: a fresh process's first pass, in-process, with an empty
 disk cache (the first process) or one an earlier pass filled (the next
@@ -42,6 +49,8 @@ import pytest
 import torch
 import transformers  # a test dependency (the [test] extra)
 
+import memory
+import torch_pallas.transformers
 from conftest import record
 from providers import DEVICE, SMOKE
 from torch_pallas.nn import replace_linear
@@ -163,6 +172,55 @@ def test_training_step(benchmark, provider, dtype, wide):
     torch.testing.assert_close(loss, expected, rtol=tolerance, atol=tolerance)
     record(benchmark, Provider(provider), op="llama_train_step", dtype=dtype,
            shape=(*TRAIN, hidden), work=TRAIN[0] * TRAIN[1], unit="tokens/s")
+
+
+# The patched step: every kind `apply` knows, the LM head's logits never
+# held (at vocabulary 32000 they are the step's largest tensors).
+PATCHED_VOCAB = CONFIG["vocab_size"] if SMOKE else 32000
+
+
+def patched_model(provider: str):
+    """The Llama at PATCHED_VOCAB, unpatched ("torch") or patched by
+    torch_pallas.transformers.apply, in training mode."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**CONFIG, "vocab_size": PATCHED_VOCAB},
+                                      max_position_embeddings=512, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).to(DEVICE).train()
+    if provider != "torch":
+        torch_pallas.transformers.apply(model)
+    return model
+
+
+@functools.cache
+def patched_models() -> dict:
+    return {name: patched_model(name) for name in PROVIDERS}
+
+
+def patched_step_ids():
+    generator = torch.Generator().manual_seed(2)
+    return torch.randint(0, PATCHED_VOCAB, TRAIN, generator=generator).to(DEVICE)
+
+
+def patched_training_step(provider: str):
+    """A training step of `provider`'s model: what bench/memory.py measures
+    (on the CPU in a fresh process, which imports this module)."""
+    model, ids = patched_model(provider), patched_step_ids()
+    return lambda: train_step(model, ids)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_patched_training_step(benchmark, provider):
+    models, ids = patched_models(), patched_step_ids()
+    benchmark.group = f"llama train step {TRAIN[0]}x{TRAIN[1]} vocab {PATCHED_VOCAB}, apply()"
+    loss = timed(benchmark, provider, lambda: train_step(models[provider], ids),
+                 rounds=ROUNDS["step"], partner_call=lambda: train_step(models["torch"], ids))
+    torch.testing.assert_close(loss, train_step(models["torch"], ids), rtol=1e-4, atol=1e-4)
+    # The smoke run leaves out the fresh processes (some 15 s each): at its
+    # sizes the figure says nothing.
+    benchmark.extra_info["peak_bytes"] = None if SMOKE else memory.peak_bytes(
+        "bench_models:patched_training_step", provider, device=DEVICE)
+    record(benchmark, Provider(provider), op="llama_patched_train_step", dtype=torch.float32,
+           shape=(*TRAIN, CONFIG["hidden_size"]), work=TRAIN[0] * TRAIN[1], unit="tokens/s")
 
 
 def first_pass_of_lengths(model):

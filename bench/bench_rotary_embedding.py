@@ -5,7 +5,7 @@ them (`proj(x).view(B, S, H, D).transpose(1, 2)`, grouped kv heads) with
 the layer's cos and sin (1, S, D), in GB/s (the bytes a fused kernel
 moves: q, k, cos and sin read and q_embed, k_embed written forward; as
 much again backward) and the ratio to torch; each call's peak memory
-(bench/memory.py) in the JSON as `peak_memory_bytes`.
+(bench/memory.py) in the JSON as `peak_bytes`.
 
 CPU: float32, batch 1, 32 heads, 8 kv heads, 2048 tokens, head size 128
 (Llama's). GPU: bfloat16, batch 4, 4096 tokens."""
@@ -86,7 +86,7 @@ def check(outs, q, k, cos, sin):
 def record_memory(benchmark, provider, shape, backward: bool):
     """The call's peak memory; None on the smoke run (fresh processes of
     some seconds each, at sizes that say nothing) and on the simulators."""
-    benchmark.extra_info["peak_memory_bytes"] = (
+    benchmark.extra_info["peak_bytes"] = (
         None if SMOKE or provider.simulated
         else memory.peak_bytes("bench_rotary_embedding:workload", provider.name, list(shape),
                                backward, device=DEVICE))

@@ -23,8 +23,13 @@ def simulators_exhaustive(names=CPU_BACKENDS, also=()) -> list:
                          if backends.get(name).simulated or name in also else [], id=name)
             for name in names]
 # Ops whose simulated calls take seconds each: on the simulators, sweeps that
-# call them many times (opcheck, every layout) run with -m exhaustive.
-SLOW_ON_SIMULATORS = ("attention", "attention_backward")
+# call them many times (opcheck, every layout, inputs left as found,
+# determinism) run with -m exhaustive; the default run still checks each
+# one's examples on every simulator (test_opcheck's
+# test_examples_match_their_references) and its own test file's cases.
+SLOW_ON_SIMULATORS = ("attention", "attention_backward", "linear_cross_entropy",
+                      "linear_cross_entropy_backward", "rotary_embedding",
+                      "rotary_embedding_backward")
 
 
 def backend_cases(subjects: dict) -> list:

@@ -12,7 +12,7 @@ import torch
 
 import torch_pallas
 from torch_pallas.runtime import backends, compile_cache, launch, registry
-from helpers import CPU_BACKENDS
+from helpers import CPU_BACKENDS, SLOW_ON_SIMULATORS
 
 P = torch.ops.pallas
 f32 = dict(dtype=torch.float32)
@@ -284,10 +284,10 @@ def test_compile_cache_size_is_bounded():
     assert compile_cache.compiled.max_entries == compile_cache.MAX_ENTRIES
 
 
-# The attention ops on the simulators take a minute here: with -m exhaustive.
+# The slow ops on the simulators take a minute here: with -m exhaustive.
 DETERMINISM_CASES = [
     pytest.param(backend, info, id=f"{backend}-{info.name}", marks=[pytest.mark.exhaustive] if (
-        backends.get(backend).simulated and info.name.startswith("attention")) else [])
+        backends.get(backend).simulated and info.name in SLOW_ON_SIMULATORS) else [])
     for backend in CPU_BACKENDS for info in registry.ops()
 ]
 

@@ -22,14 +22,15 @@ def simulators_exhaustive(names=CPU_BACKENDS, also=()) -> list:
     return [pytest.param(name, marks=[pytest.mark.exhaustive]
                          if backends.get(name).simulated or name in also else [], id=name)
             for name in names]
-# Ops whose simulated calls take seconds each: on the simulators, sweeps that
-# call them many times (opcheck, every layout, inputs left as found,
-# determinism) run with -m exhaustive; the default run still checks each
-# one's examples on every simulator (test_opcheck's
-# test_examples_match_their_references) and its own test file's cases.
+# Ops whose simulated calls take seconds each: on the simulators, the sweeps
+# over every registered op (examples, opcheck, every layout, inputs left as
+# found, determinism) run them with -m exhaustive; each one's own test file
+# runs it on every simulator in the default run (past its blocks, with its
+# gradients).
 SLOW_ON_SIMULATORS = ("attention", "attention_backward", "linear_cross_entropy",
                       "linear_cross_entropy_backward", "rotary_embedding",
-                      "rotary_embedding_backward")
+                      "rotary_embedding_backward", "rms_norm", "rms_norm_backward",
+                      "layer_norm", "layer_norm_backward", "swiglu", "swiglu_backward")
 
 
 def backend_cases(subjects: dict) -> list:

@@ -45,12 +45,12 @@ def test_fakes_describe_what_the_kernels_return(backend, info):
                 torch.library.opcheck(info.overload, args, kwargs, test_utils="test_faketensor")
 
 
-# A backward op (attention_backward, ...) compiles with dynamic shapes inside
-# its forward op's compiled backward here already; its own dynamic case, a
-# second compilation of the same kernels, runs with -m exhaustive.
+# A backward op (attention_backward, ...) compiles inside its forward op's
+# compiled backward here already (static and dynamic); its own cases, a
+# second compilation of the same kernels, run with -m exhaustive.
 COMPILED_CASES = [
     pytest.param(info, dynamic, id=f"{info.name}-{'dynamic' if dynamic else 'static'}",
-                 marks=[pytest.mark.exhaustive] if dynamic and info.name.endswith("_backward")
+                 marks=[pytest.mark.exhaustive] if info.name.endswith("_backward")
                  else [])
     for info in registry.ops() for dynamic in (False, True)
 ]

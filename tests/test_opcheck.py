@@ -29,11 +29,14 @@ def test_opcheck_every_op(backend, info, requires_grad):
             torch.library.opcheck(info.overload, example.args, dict(example.kwargs))
 
 
-@pytest.mark.parametrize("info", registry.ops(), ids=lambda info: info.name)
-def test_examples_match_their_references(cpu_backend, info):
-    for example in info.examples(torch.device("cpu"), False):
-        err, within = example.error(info.overload(*example.args, **example.kwargs))
-        assert within, f"{info.name}{example.args}: max |error| {err:.3g} past the bound"
+# The slow ops' examples on the simulators with -m exhaustive: each of them
+# runs on every simulator in its own test file's default cases.
+@pytest.mark.parametrize("backend,info", CASES)
+def test_examples_match_their_references(backend, info):
+    with torch_pallas.backend(backend):
+        for example in info.examples(torch.device("cpu"), False):
+            err, within = example.error(info.overload(*example.args, **example.kwargs))
+            assert within, f"{info.name}{example.args}: max |error| {err:.3g} past the bound"
 
 
 def test_dispatch_modes_see_every_call():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import record
-from providers import DEVICE, SMOKE, prepare, providers, synchronize
+from providers import DEVICE, SMOKE, prepare, shape_cases, synchronize
 from torch_pallas.ops import layer_norm as layer_norm_op
 
 if SMOKE:
@@ -22,11 +22,7 @@ elif DEVICE.type == "cuda":
 else:
     SHAPES, DTYPE = [(4096, 4096)], torch.float32
 
-# The simulators at a small size of their own: they time a simulation.
-SIMULATED_SHAPE = (64, 256)
-CASES = [(p, SIMULATED_SHAPE if p.simulated else shape) for p in providers() if p.kind != "jax"
-         for shape in SHAPES if not (p.simulated and SMOKE)]
-IDS = [f"{p.name}-{'x'.join(map(str, s))}" for p, s in CASES]
+CASES, IDS = shape_cases(SHAPES, (64, 256))
 
 
 def inputs(shape, requires_grad):

@@ -17,7 +17,7 @@ import torch
 
 from conftest import record
 from memory import peaks
-from providers import DEVICE, SMOKE, prepare, providers, synchronize
+from providers import DEVICE, SMOKE, prepare, providers, shape_cases, synchronize
 from torch_pallas.ops import linear_cross_entropy as lce_op
 
 if SMOKE:
@@ -27,11 +27,7 @@ elif DEVICE.type == "cuda":
 else:
     SHAPES, DTYPE = [(4096, 1024, 32000)], torch.float32
 
-# The simulators at a small size of their own: they time a simulation.
-SIMULATED_SHAPE = (64, 32, 300)
-CASES = [(p, SIMULATED_SHAPE if p.simulated else shape) for p in providers() if p.kind != "jax"
-         for shape in SHAPES if not (p.simulated and SMOKE)]
-IDS = [f"{p.name}-{'x'.join(map(str, s))}" for p, s in CASES]
+CASES, IDS = shape_cases(SHAPES, (64, 32, 300))
 ROUNDS = 1 if SMOKE else 3  # a CPU step at the full size takes about 20 s
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import record
-from providers import DEVICE, SMOKE, Provider, prepare, providers, synchronize
+from providers import DEVICE, SMOKE, Provider, prepare, providers, shape_cases, synchronize
 from torch_pallas.ops import rms_norm as rms_norm_op
 
 if SMOKE:
@@ -39,11 +39,7 @@ TRANSFORMERS = Provider("transformers", None, "torch")
 PROVIDERS = [p for p in providers() if p.kind != "jax"]
 if transformers_rms_norm() is not None:
     PROVIDERS.insert(1, TRANSFORMERS)
-# The simulators at a small size of their own: they time a simulation.
-SIMULATED_SHAPE = (64, 256)
-CASES = [(p, SIMULATED_SHAPE if p.simulated else shape) for p in PROVIDERS for shape in SHAPES
-         if not (p.simulated and SMOKE)]
-IDS = [f"{p.name}-{'x'.join(map(str, s))}" for p, s in CASES]
+CASES, IDS = shape_cases(SHAPES, (64, 256), PROVIDERS)
 
 
 def forward(provider, x, weight):

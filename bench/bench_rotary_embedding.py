@@ -17,7 +17,7 @@ import torch
 
 import memory
 from conftest import record
-from providers import DEVICE, SMOKE, prepare, providers, synchronize
+from providers import DEVICE, SMOKE, prepare, providers, shape_cases, synchronize
 from torch_pallas.ops import rotary_embedding as rope
 
 # (batch, heads, kv heads, tokens, head size)
@@ -28,11 +28,7 @@ elif DEVICE.type == "cuda":
 else:
     SHAPE, DTYPE = (1, 32, 8, 2048, 128), torch.float32
 
-# The simulators at a small size of their own: they time a simulation.
-SIMULATED_SHAPE = (1, 4, 2, 64, 64)
-CASES = [(p, SIMULATED_SHAPE if p.simulated else SHAPE) for p in providers() if p.kind != "jax"
-         if not (p.simulated and SMOKE)]
-IDS = [f"{p.name}-{'x'.join(map(str, s))}" for p, s in CASES]
+CASES, IDS = shape_cases([SHAPE], (1, 4, 2, 64, 64))
 
 
 def inputs(shape, requires_grad):

@@ -79,6 +79,18 @@ def providers() -> list[Provider]:
     return found
 
 
+def shape_cases(shapes, simulated_shape, candidates=None) -> tuple[list, list[str]]:
+    """(cases, ids) of a suite timing the torch op against the Pallas op
+    (no bare JAX kernel): (provider, shape) for each of `shapes`, the
+    simulators at `simulated_shape` of their own (they time a simulation)
+    and not in the smoke run; ids "provider-AxBxC". `candidates`: the
+    providers to take (those of `providers()` but the jax ones by default)."""
+    candidates = candidates or [p for p in providers() if p.kind != "jax"]
+    cases = [(p, simulated_shape if p.simulated else shape) for p in candidates
+             for shape in shapes if not (p.simulated and SMOKE)]
+    return cases, [f"{p.name}-{'x'.join(map(str, s))}" for p, s in cases]
+
+
 def prepare(provider: Provider, op: str, args: tuple, kwargs=None, kernel_inputs=(),
             kernel_params=None):
     """A callable timing one call of `op` by `provider`.

@@ -119,10 +119,14 @@ def _row_scale(t32, reduction: str, grad_loss) -> torch.Tensor:
     return torch.where(valid, grad, 0.0)
 
 
+def _empty(x):
+    return x.new_empty((0,))
+
+
 def _run_chunks(x, weight, t32, bias, params, *, lse=None, scale=None, grads=(False,) * 3):
     """Walks the rows in chunks: (loss rows, lse) when `lse` is None (the
     forward), and the gradients asked for in `grads` (d_input, d_weight,
-    d_bias; None where not asked) from `scale` (each row's factor)."""
+    d_bias; empty where not asked) from `scale` (each row's factor)."""
     rows, hidden = x.shape
     vocab = weight.shape[0]
     step = chunk_rows(rows, hidden, vocab)
@@ -168,9 +172,9 @@ def _run_chunks(x, weight, t32, bias, params, *, lse=None, scale=None, grads=(Fa
         lse = torch.cat(lses) if lses else x.new_zeros((0,), dtype=torch.float32)
     else:
         loss = None
-    return (loss, lse, d_input,
-            None if d_weight is None else d_weight.to(weight.dtype),
-            None if d_bias is None else d_bias.to(weight.dtype))
+    return (loss, lse, _empty(x) if d_input is None else d_input,
+            _empty(weight) if d_weight is None else d_weight.to(weight.dtype),
+            _empty(weight) if d_bias is None else d_bias.to(weight.dtype))
 
 
 def _params(label_smoothing, softcap) -> dict:
@@ -185,10 +189,6 @@ def _reduce(loss_rows, t32, reduction):
 
 
 # --- the forward op on rows --------------------------------------------------
-
-def _empty(x):
-    return x.new_empty((0,))
-
 
 def _written(grads, bias, reduction=None) -> tuple[bool, bool, bool]:
     """The gradients a call computes: those asked for, d_bias only with a
@@ -220,7 +220,6 @@ def forward_implementation(input, weight, target, bias, ignore_index, reduction,
     loss_rows, lse, *found = _run_chunks(input, weight, t32, bias,
                                          _params(label_smoothing, softcap), scale=scale,
                                          grads=grads)
-    found = [g if g is not None else _empty(ref) for g, ref in zip(found, (input, weight, weight))]
     return (_reduce(loss_rows, t32, reduction), lse, *found)
 
 
@@ -277,8 +276,7 @@ def backward_implementation(grad_loss, input, weight, target, bias, lse, ignore_
     scale = _row_scale(t32, reduction, grad_loss)
     _, _, *found = _run_chunks(input, weight, t32, bias, _params(label_smoothing, softcap),
                                lse=lse, scale=scale, grads=_written(grads, bias))
-    return tuple(g if g is not None else _empty(ref)
-                 for g, ref in zip(found, (input, weight, weight)))
+    return tuple(found)
 
 
 registration.define(

@@ -154,3 +154,17 @@ def normalized(op: str, input: torch.Tensor, normalized_shape, params: dict, sup
             raise RefusedLikeTorch(
                 f"{op}: {name}.shape={tuple(param.shape)} must equal "
                 f"normalized_shape={list(shape)}")
+
+
+def merged_normalized(input: torch.Tensor, normalized_shape) -> torch.Tensor:
+    """A norm's input with its normalized dimensions merged into the last
+    one (itself where there is one: the leading dimensions, and a DTensor's
+    sharding along them, are never touched)."""
+    count = len(normalized_shape)
+    return input if count == 1 else input.flatten(-count)
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., N) as the rows (R, N) a row-wise kernel reads (a copy only
+    where the layout needs one)."""
+    return x.reshape(-1, x.shape[-1])

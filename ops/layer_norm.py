@@ -4,12 +4,13 @@ kernel over the rows.
 
 As rms_norm's three ops:
 - `pallas::layer_norm(input, normalized_shape, weight=None, bias=None,
-  eps=1e-5)`, F.layer_norm's signature and values: checks, the input as rows
-  (R, N) of the normalized dimensions, a missing weight as ones and a
-  missing bias as zeros (exact, and without gradients), then the forward op;
+  eps=1e-5)`, F.layer_norm's signature and values: checks, the normalized
+  dimensions merged into one, a missing weight as ones and a missing bias
+  as zeros (exact, and without gradients), then the forward op;
   CompositeImplicitAutograd.
-- `pallas::layer_norm_forward(x, weight, bias, eps) -> (out, mean, rstd)`,
-  keeping the row statistics (float32) for the backward.
+- `pallas::layer_norm_forward(x, weight, bias, eps) -> (out, mean, rstd)` on
+  x (..., N), keeping the row statistics (float32, shape (...)) for the
+  backward; the leading dimensions as they are (see rms_norm.py).
 - `pallas::layer_norm_backward(grad_out, x, mean, rstd, weight) -> (dx, dw,
   db)`: one kernel for all three gradients (dw and db float32, cast to the
   parameters' dtypes by the autograd formula).
@@ -41,17 +42,17 @@ def _check(input, normalized_shape, weight, bias):
 def layer_norm_implementation(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     _check(input, normalized_shape, weight, bias)
     n = math.prod(normalized_shape)
-    rows = input.reshape(-1, n)
+    x = checks.merged_normalized(input, normalized_shape)
     weight = input.new_ones(n) if weight is None else weight.reshape(n)
     bias = input.new_zeros(n) if bias is None else bias.reshape(n)
-    out, _, _ = torch.ops.pallas.layer_norm_forward(rows, weight, bias, float(eps))
+    out, _, _ = torch.ops.pallas.layer_norm_forward(x, weight, bias, float(eps))
     return out.reshape(input.shape)
 
 
-# --- the forward op on rows --------------------------------------------------
+# --- the forward op, rows along the last dimension ---------------------------
 
 def _forward_fake(x, weight, bias, eps):
-    stats = x.new_empty(x.shape[:1], dtype=torch.float32)
+    stats = x.new_empty(x.shape[:-1], dtype=torch.float32)
     return x.new_empty(x.shape), stats, stats.new_empty(stats.shape)
 
 
@@ -59,7 +60,10 @@ def forward_implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.numel() == 0:
         return _forward_fake(x, weight, bias, eps)
-    return launch.run("layer_norm", x.device, (x, weight, bias), {"eps": float(eps)})
+    out, mean, rstd = launch.run("layer_norm", x.device, (checks.as_rows(x), weight, bias),
+                                 {"eps": float(eps)})
+    stats = x.shape[:-1]
+    return out.view(x.shape), mean.view(stats), rstd.view(stats)
 
 
 def _setup_context(ctx, inputs, output):
@@ -99,7 +103,10 @@ def backward_implementation(grad_out: torch.Tensor, x: torch.Tensor, mean: torch
     if x.numel() == 0:
         dx, dw, db = _backward_fake(grad_out, x, mean, rstd, weight)
         return dx, dw.zero_(), db.zero_()
-    return launch.run("layer_norm_backward", x.device, (grad_out, x, mean, rstd, weight), {})
+    dx, dw, db = launch.run("layer_norm_backward", x.device,
+                            (checks.as_rows(grad_out), checks.as_rows(x), mean.reshape(-1),
+                             rstd.reshape(-1), weight), {})
+    return dx.view(x.shape), dw, db
 
 
 registration.define(
@@ -127,7 +134,8 @@ def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | Non
 
 
 def layer_norm_backward(grad_out, x, mean, rstd, weight):
-    """The backward op on rows: (dx, dw, db), dw and db in float32."""
+    """The backward op, rows along the last dimension: (dx, dw, db), dw and
+    db in float32."""
     return torch.ops.pallas.layer_norm_backward(grad_out, x, mean, rstd, weight)
 
 

@@ -4,12 +4,15 @@ the rows.
 
 Three ops, as attention's:
 - `pallas::rms_norm(input, normalized_shape, weight=None, eps=None)`, F.rms_norm's
-  signature and values: it checks its arguments, views the input as rows
-  (R, N) of the normalized dimensions (a copy only where the layout needs
-  one) and calls the forward op; CompositeImplicitAutograd, so autograd,
-  autocast and torch.compile see the two ops below.
-- `pallas::rms_norm_forward(x, weight, eps) -> (out, rstd)` on rows: the
-  forward kernel, keeping 1/rms per row (float32) for the backward.
+  signature and values: it checks its arguments, merges the normalized
+  dimensions into one (nothing to do for the usual one) and calls the
+  forward op; CompositeImplicitAutograd, so autograd, autocast,
+  torch.compile and DTensor see the two ops below.
+- `pallas::rms_norm_forward(x, weight, eps) -> (out, rstd)` on x (..., N):
+  the forward kernel over its rows, keeping 1/rms per row (float32, shape
+  (...)) for the backward. The leading dimensions stay as they are, so a
+  DTensor sharded along any of them (the sequence, under torch's
+  SequenceParallel) runs shard-local (torch_pallas/distributed).
 - `pallas::rms_norm_backward(grad_out, x, rstd, weight) -> (dx, dw)`: one
   kernel for both gradients (dw empty without a weight).
 
@@ -42,25 +45,27 @@ def rms_norm_implementation(input, normalized_shape, weight=None, eps=None):
     _check(input, normalized_shape, weight)
     eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
     n = math.prod(normalized_shape)
-    rows = input.reshape(-1, n)
+    x = checks.merged_normalized(input, normalized_shape)
     flat_weight = None if weight is None else weight.reshape(n)
-    out, _ = torch.ops.pallas.rms_norm_forward(rows, flat_weight, eps)
+    out, _ = torch.ops.pallas.rms_norm_forward(x, flat_weight, eps)
     return out.reshape(input.shape)
 
 
-# --- the forward op on rows --------------------------------------------------
+# --- the forward op, rows along the last dimension ---------------------------
 
 def _forward_fake(x, weight, eps):
     return (x.new_empty(x.shape),
-            x.new_empty(x.shape[:1], dtype=torch.float32))
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
 
 
 def forward_implementation(x: torch.Tensor, weight: torch.Tensor | None,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     if x.numel() == 0:
         return _forward_fake(x, weight, eps)
-    inputs = (x,) if weight is None else (x, weight)
-    return launch.run("rms_norm", x.device, inputs, {"eps": float(eps)})
+    rows = checks.as_rows(x)
+    inputs = (rows,) if weight is None else (rows, weight)
+    out, rstd = launch.run("rms_norm", x.device, inputs, {"eps": float(eps)})
+    return out.view(x.shape), rstd.view(x.shape[:-1])
 
 
 def _setup_context(ctx, inputs, output):
@@ -98,9 +103,10 @@ def backward_implementation(grad_out: torch.Tensor, x: torch.Tensor, rstd: torch
     if x.numel() == 0:
         dx, dw = _backward_fake(grad_out, x, rstd, weight)
         return dx, dw.zero_()
-    inputs = (grad_out, x, rstd) + (() if weight is None else (weight,))
+    inputs = (checks.as_rows(grad_out), checks.as_rows(x), rstd.reshape(-1))
+    inputs += () if weight is None else (weight,)
     dx, dw = launch.run("rms_norm_backward", x.device, inputs, {})
-    return dx, dw
+    return dx.view(x.shape), dw
 
 
 registration.define(
@@ -127,8 +133,8 @@ def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None 
 
 
 def rms_norm_backward(grad_out, x, rstd, weight=None):
-    """The backward op on rows: (dx, dw) from the forward's rstd (dw empty
-    without a weight)."""
+    """The backward op, rows along the last dimension: (dx, dw) from the
+    forward's rstd (dw empty without a weight)."""
     return torch.ops.pallas.rms_norm_backward(grad_out, x, rstd, weight)
 
 

@@ -36,6 +36,9 @@ from torch_pallas.runtime.compile_cache import clear as clear_cache
 from torch_pallas.runtime.simulators import race_detection
 from torch_pallas.custom_ops import custom_op
 from torch_pallas.ops.matmul import linear
+from torch_pallas.distributed import register_when_dtensor_loads
+
+register_when_dtensor_loads()  # the ops' sharding rules, once DTensor is loaded
 
 _OPS = [info.name for info in _registered_ops()]
 globals().update({info.name: info.function for info in _registered_ops()})

@@ -72,6 +72,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import sys
 import threading
 import typing
 import warnings
@@ -492,6 +493,7 @@ def _linears(model, checks: _Checks) -> int:
 
 FUSING = "_torch_pallas_fusing"  # on the LM head: True while the model's forward fuses
 HIDDEN = "_torch_pallas_hidden"  # on the LM head: the hidden states it passed through
+LOSS_METHOD = "torch_pallas_fused_loss"  # on the LM head: the fused loss from its parameters
 
 
 def _lm_head_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -516,7 +518,7 @@ def _fused_causal_lm_loss(self, logits, labels, vocab_size: int, num_items_in_ba
     if hidden is None:  # real logits: eval mode with labels, or not fusing
         return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
                                shift_labels, **kwargs)
-    if logits is not hidden:
+    if not _passed_through(logits, hidden):
         raise RuntimeError(
             f"{WHERE}: {type(self).__name__}'s forward changes the LM head's output before its "
             "loss (a softcap or scale, say), so the fused loss cannot stand in for it; apply "
@@ -525,14 +527,47 @@ def _fused_causal_lm_loss(self, logits, labels, vocab_size: int, num_items_in_ba
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = pallas_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), head.weight,
-                                shift_labels.reshape(-1).to(hidden.device), head.bias,
-                                ignore_index=ignore_index, reduction=reduction)
+    loss = _head_loss(head)(logits, shift_labels, ignore_index, reduction)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
+
+
+def _passed_through(logits, hidden: torch.Tensor) -> bool:
+    """Whether the model's "logits" are the hidden states the fusing LM head
+    passed through: the same tensor, or an alias of it that a module hook
+    made (a full backward hook's, torch's CommDebugMode's), which the loss
+    then reads so that the hook sees its gradient."""
+    if logits is hidden:
+        return True
+    return (type(logits) is torch.Tensor and type(hidden) is torch.Tensor
+            and logits.shape == hidden.shape and logits.stride() == hidden.stride()
+            and logits.data_ptr() == hidden.data_ptr())
+
+
+def _lm_head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+                  reduction: str) -> torch.Tensor:
+    """The LM head's part of the fused loss, a method of the head: its
+    weight and bias with the hidden states it passed through."""
+    return pallas_linear_cross_entropy(hidden.reshape(-1, hidden.shape[-1]), self.weight,
+                                       labels.reshape(-1).to(hidden.device), self.bias,
+                                       ignore_index=ignore_index, reduction=reduction)
+
+
+def _head_loss(head: torch.nn.Module):
+    """The head's LOSS_METHOD. Under FSDP2 (`fully_shard` on the head, in a
+    group that reshards after its forward) the head's parameters are
+    sharded again once its pass-through forward returns: the method is
+    then registered as a forward of the head
+    (`register_fsdp_forward_method`), so that FSDP gathers the weight for
+    it and reduce-scatters its gradient, as for the head's forward."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # loaded by whoever sharded the model
+    if (fsdp is not None and isinstance(head, fsdp.FSDPModule)
+            and isinstance(vars(head).get(LOSS_METHOD), Bound)):
+        fsdp.register_fsdp_forward_method(head, LOSS_METHOD)
+    return getattr(head, LOSS_METHOD)
 
 
 @functools.cache
@@ -592,6 +627,7 @@ def _fused_loss(model, checks: _Checks) -> int:
         checks.leave_alone("", model, f"LM head and loss: {why}")
         return 0
     _bind(head, "forward", "lm_head")
+    _bind(head, LOSS_METHOD, "lm_head_loss")
     _bind(model, "forward", "cross_entropy")
     _bind(model, "loss_function", "loss_function")
     return 1
@@ -604,6 +640,7 @@ BOUND = {
     "rotary": _with_pallas_rotary,
     "swiglu": lambda cls: _swiglu_mlp_forward,
     "lm_head": lambda cls: _lm_head_forward,
+    "lm_head_loss": lambda cls: _lm_head_loss,
     "cross_entropy": _fusing_forward,
     "loss_function": lambda cls: _fused_causal_lm_loss,
 }

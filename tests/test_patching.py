@@ -301,6 +301,25 @@ def test_a_model_that_is_not_a_module_is_refused():
         torch_pallas.transformers.apply("not a model")
 
 
+def test_a_model_already_sharded_is_refused_before_anything_is_patched():
+    """apply runs modules on plain tensors to check them: after fully_shard
+    (sharded parameters) it raises first and leaves the model as it was."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(model)
+        before = patched_kinds(model), model.config._attn_implementation
+        with pytest.raises(RuntimeError, match=r"apply: model\.embed_tokens\.weight is a "
+                                               r"DTensor .*call apply before fully_shard"):
+            torch_pallas.transformers.apply(model)
+        assert (patched_kinds(model), model.config._attn_implementation) == before
+    finally:
+        dist.destroy_process_group()
+
+
 def test_any_module_holding_what_it_knows_is_patched():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     x = torch.randn(3, 8)

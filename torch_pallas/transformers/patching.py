@@ -155,6 +155,8 @@ def apply(model: torch.nn.Module, *, attention: bool = True, rms_norm: bool = Tr
         if not isinstance(value, bool):
             raise TypeError(f"{WHERE}: {name} must be True or False, got {value!r}")
 
+    _check_not_distributed(model)
+
     report, checks = Report(type(model).__name__), _Checks()
     # Each kind's modules are checked against torch's composition as they are
     # patched; Linear layers go last, so that those checks run on torch's products.
@@ -545,6 +547,19 @@ def _passed_through(logits, hidden: torch.Tensor) -> bool:
     return (type(logits) is torch.Tensor and type(hidden) is torch.Tensor
             and logits.shape == hidden.shape and logits.stride() == hidden.stride()
             and logits.data_ptr() == hidden.data_ptr())
+
+
+def _check_not_distributed(model: torch.nn.Module) -> None:
+    """apply checks each module it patches by running it on plain tensors,
+    which parameters already sharded (DTensors) refuse: it must come first."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return
+    for name, parameter in model.named_parameters():
+        if isinstance(parameter, dtensor.DTensor):
+            raise RuntimeError(
+                f"{WHERE}: {name} is a DTensor (placements {tuple(parameter.placements)}): call "
+                "apply before fully_shard or parallelize_module, on the whole model")
 
 
 def _lm_head_loss(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int,

@@ -47,11 +47,16 @@ def test_fakes_describe_what_the_kernels_return(backend, info):
 
 # A backward op (attention_backward, ...) compiles inside its forward op's
 # compiled backward here already (static and dynamic); its own cases, a
-# second compilation of the same kernels, run with -m exhaustive.
+# second compilation of the same kernels, run with -m exhaustive. So do the
+# static cases of the model ops that tests/test_patching.py compiles
+# statically inside a patched model by default (each op's dynamic case
+# stays here): 20-30 s of compiling each.
+COMPILED_IN_MODELS = ("attention", "rms_norm", "layer_norm", "rotary_embedding", "swiglu",
+                      "linear_cross_entropy")
 COMPILED_CASES = [
     pytest.param(info, dynamic, id=f"{info.name}-{'dynamic' if dynamic else 'static'}",
-                 marks=[pytest.mark.exhaustive] if info.name.endswith("_backward")
-                 else [])
+                 marks=[pytest.mark.exhaustive] if info.name.endswith("_backward") or (
+                     info.name in COMPILED_IN_MODELS and not dynamic) else [])
     for info in registry.ops() for dynamic in (False, True)
 ]
 

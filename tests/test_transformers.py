@@ -122,7 +122,10 @@ def test_importing_torch_pallas_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("family", CONFIGS)
+# qwen2 differs from llama by its biased q/k/v, which the eager tests cover:
+# its compiled step (a minute of compiling) runs with -m exhaustive.
+@pytest.mark.parametrize("family", [
+    "llama", pytest.param("qwen2", marks=pytest.mark.exhaustive)])
 def test_compiled_training_step_equals_eager(family):
     """A training step as a user compiles it: every Linear converted
     (replace_linear), "pallas" attention, the loss function compiled with

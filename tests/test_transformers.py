@@ -122,10 +122,12 @@ def test_importing_torch_pallas_does_not_import_transformers():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-# qwen2 differs from llama by its biased q/k/v, which the eager tests cover:
-# its compiled step (a minute of compiling) runs with -m exhaustive.
-@pytest.mark.parametrize("family", [
-    "llama", pytest.param("qwen2", marks=pytest.mark.exhaustive)])
+# A minute of compiling each. By default tests/test_patching.py compiles a
+# training step of a Llama on every Pallas op (every Linear converted and
+# "pallas" attention among them, fullgraph, AdamW) against eager; these
+# two, Linears and attention alone, run with -m exhaustive.
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("family", CONFIGS)
 def test_compiled_training_step_equals_eager(family):
     """A training step as a user compiles it: every Linear converted
     (replace_linear), "pallas" attention, the loss function compiled with

@@ -113,6 +113,8 @@ def timed(benchmark, provider, function, *, rounds, partner_call, setup=None):
     if setup is None:  # warm both (a round with a setup starts afresh anyway)
         partner_call(), function()
     result = benchmark.pedantic(function, setup=partner, rounds=rounds, iterations=1)
+    if benchmark.stats is None:  # --benchmark-disable: run once, nothing timed
+        return result
     benchmark.extra_info["torch_median_interleaved"] = statistics.median(partner.times)
     # Each round against the torch round just before it: the median of
     # those paired ratios (speed, torch's time over this one's) follows the

@@ -115,7 +115,10 @@ UNITS = {"GFLOP/s": 1e9, "TFLOP/s": 1e12, "GB/s": 1e9, "tokens/s": 1.0}
 def record(benchmark, provider, *, op, dtype, shape, work: float, unit: str):
     """Fills `extra_info` after `benchmark(...)` ran: throughput from the
     median, in `unit` (GFLOP/s, TFLOP/s or GB/s) for `work` (FLOPs or
-    bytes)."""
+    bytes). Nothing to record where the run times nothing
+    (`--benchmark-disable`: each case runs once, as a test)."""
+    if benchmark.stats is None:
+        return
     median = benchmark.stats.stats.median
     benchmark.extra_info.update(
         op=op,

@@ -3,6 +3,8 @@ runs, with a message naming the op, the argument and the offending value."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from torch_pallas.base import dtypes
@@ -154,6 +156,13 @@ def normalized(op: str, input: torch.Tensor, normalized_shape, params: dict, sup
             raise RefusedLikeTorch(
                 f"{op}: {name}.shape={tuple(param.shape)} must equal "
                 f"normalized_shape={list(shape)}")
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor (without importing torch.distributed.tensor,
+    a second's import, where nobody has made one)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 def merged_normalized(input: torch.Tensor, normalized_shape) -> torch.Tensor:

@@ -35,8 +35,6 @@ what torch gives: nan for "mean", 0 for "sum".
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from torch_pallas.base import dtypes
@@ -298,18 +296,13 @@ def linear_cross_entropy_implementation(input, weight, target, bias=None, *, ign
     grads = [torch.is_grad_enabled() and t is not None and t.requires_grad
              for t in (input, weight, bias)]
     shape, target = target.shape, target.reshape(-1)
-    split_mean = reduction == "mean" and _is_dtensor(input)
+    split_mean = reduction == "mean" and checks.is_dtensor(input)
     loss, *_ = torch.ops.pallas.linear_cross_entropy_forward(
         input.reshape(-1, hidden), weight, target, bias, ignore_index,
         "sum" if split_mean else reduction, label_smoothing, softcap, grads)
     if split_mean:  # over every rank's tokens (torch_pallas/distributed/cross_entropy.py)
         return loss / (target != ignore_index).sum()
     return loss.reshape(shape) if reduction == "none" else loss
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    dtensor = sys.modules.get("torch.distributed.tensor")  # loaded by whoever made one
-    return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
 registration.define_composite(

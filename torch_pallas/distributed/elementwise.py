@@ -35,7 +35,7 @@ def _rotary_labels(x, y, cos, unsqueeze_dim):
     dim = unsqueeze_dim % (cos.ndim + 1)
     shape = (*cos.shape[:dim], 1, *cos.shape[dim:])
     angles = aligned(x_labels, shape, tuple(x.shape))
-    return x_labels, aligned(x_labels, y.shape, tuple(y.shape)), angles[:dim] + angles[dim + 1:]
+    return x_labels, x_labels, angles[:dim] + angles[dim + 1:]  # y: x's dims, its own heads
 
 
 @register_sharding(torch.ops.pallas.rotary_embedding.default)

@@ -81,6 +81,7 @@ import torch
 
 from torch_pallas import nn as pallas_nn
 # Named pallas_* here: apply's keywords (rms_norm=, swiglu=) carry the ops' names.
+from torch_pallas.ops import checks as op_checks
 from torch_pallas.ops.linear_cross_entropy import linear_cross_entropy as pallas_linear_cross_entropy
 from torch_pallas.ops.rms_norm import rms_norm as pallas_rms_norm
 from torch_pallas.ops.rotary_embedding import rotary_embedding as pallas_rotary_embedding
@@ -552,11 +553,8 @@ def _passed_through(logits, hidden: torch.Tensor) -> bool:
 def _check_not_distributed(model: torch.nn.Module) -> None:
     """apply checks each module it patches by running it on plain tensors,
     which parameters already sharded (DTensors) refuse: it must come first."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is None:
-        return
     for name, parameter in model.named_parameters():
-        if isinstance(parameter, dtensor.DTensor):
+        if op_checks.is_dtensor(parameter):
             raise RuntimeError(
                 f"{WHERE}: {name} is a DTensor (placements {tuple(parameter.placements)}): call "
                 "apply before fully_shard or parallelize_module, on the whole model")

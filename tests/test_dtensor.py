@@ -301,3 +301,39 @@ def test_parameter_gradients_are_partial_sums_where_the_rows_split(results):
     assert results["rotary angle gradients"]["grad_placements"][2:] == [["P(sum)"], ["P(sum)"]]
     assert results["linear_cross_entropy tokens none"]["grad_placements"] == [["S(0)"],
                                                                              ["P(sum)"]]
+
+
+REGISTRATION = """
+import sys
+{first}
+assert "torch.distributed.tensor" in sys.modules or "torch_pallas" in sys.modules
+{second}
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+a = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
+out = torch_pallas.matmul(a, distribute_tensor(torch.randn(3, 2), mesh, [Replicate()]))
+print(out.placements)
+dist.destroy_process_group()
+"""
+LONE_IMPORT = ("import sys, torch_pallas; "
+               "assert 'torch.distributed.tensor' not in sys.modules, 'imported DTensor'")
+
+
+@pytest.mark.parametrize("first,second", [
+    ("import torch_pallas", "import torch.distributed.tensor"),
+    ("import torch.distributed.tensor", "import torch_pallas"),
+], ids=["torch_pallas first", "DTensor first"])
+def test_the_rules_register_whichever_is_imported_first(first, second):
+    """The rules register when DTensor loads, after torch_pallas or before
+    it; torch_pallas alone does not import DTensor (a second)."""
+    import subprocess
+    import sys
+    if first == "import torch_pallas":
+        subprocess.run([sys.executable, "-c", LONE_IMPORT], check=True)
+    run = subprocess.run([sys.executable, "-c", REGISTRATION.format(first=first, second=second)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "(Shard(dim=0),)" in run.stdout, run.stdout  # rows split, as the rule allows

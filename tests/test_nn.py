@@ -103,6 +103,9 @@ def test_transformer_logits_and_gradients_match():
     assert_logits_and_gradients_match(reference, pallas, pallas, torch.randint(0, 61, (4, 24)))
 
 
+# ~30 s of compiling; converted Linears compile by default in the README's
+# first block and in tests/test_patching.py's compiled Llama step.
+@pytest.mark.exhaustive
 def test_compiled_transformer_matches_and_trains_like_the_reference():
     """torch.compile(fullgraph=True): the first step's logits and gradients
     match the reference's, and six AdamW steps follow its losses."""

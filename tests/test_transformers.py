@@ -104,7 +104,8 @@ def test_set_attn_implementation_switches_a_built_model():
     torch.testing.assert_close(reference(ids).logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_compiled_fullgraph_matches_sdpa():
+@pytest.mark.exhaustive  # ~20 s of compiling; by default tests/test_patching.py compiles
+def test_compiled_fullgraph_matches_sdpa():  # a padded Llama on "pallas" attention and the rest
     reference, ours = pair(llama_config)
     ids, mask = left_padded_batch()
     expected = reference(input_ids=ids, attention_mask=mask).logits

@@ -31,17 +31,10 @@ import torch.nn.functional as F
 
 import torch_pallas
 from test_distributed import free_port
+from torch_pallas.ops.rotary_embedding import torch_rotary_embedding  # transformers' composition
 
 WORLD = 2
 pytestmark = pytest.mark.xdist_group("dtensor")  # one worker: one start of the processes
-
-
-def _rotary_reference(q, k, cos, sin):
-    def rotate_half(x):
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def _lce_reference(x, w, t, **kwargs):
@@ -98,13 +91,13 @@ CASES = {
     "layer_norm batch": Case(lambda x, w, b: torch_pallas.layer_norm(x, (16,), w, b),
                              lambda x, w, b: F.layer_norm(x, (16,), w, b),
                              [(3, 5, 16), (16,), (16,)], ["S0", "R", "R"], ["S0"]),
-    "rotary heads": Case(torch_pallas.rotary_embedding, _rotary_reference,
+    "rotary heads": Case(torch_pallas.rotary_embedding, torch_rotary_embedding,
                          [(2, 4, 7, 8), (2, 2, 7, 8), ((2, 7, 8), False), ((2, 7, 8), False)],
                          ["S1", "S1", "R", "R"], ["S1", "S1"]),
-    "rotary sequence": Case(torch_pallas.rotary_embedding, _rotary_reference,
+    "rotary sequence": Case(torch_pallas.rotary_embedding, torch_rotary_embedding,
                             [(2, 4, 7, 8), (2, 2, 7, 8), ((2, 7, 8), False), ((2, 7, 8), False)],
                             ["S2", "S2", "S1", "S1"], ["S2", "S2"]),
-    "rotary angle gradients": Case(torch_pallas.rotary_embedding, _rotary_reference,
+    "rotary angle gradients": Case(torch_pallas.rotary_embedding, torch_rotary_embedding,
                                    [(2, 4, 7, 8), (2, 2, 7, 8), (2, 7, 8), (2, 7, 8)],
                                    ["S1", "S1", "R", "R"], ["S1", "S1"]),
     "attention heads causal gqa": Case(

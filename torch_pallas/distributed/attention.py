@@ -20,6 +20,7 @@ from torch.distributed.tensor.experimental import register_sharding
 
 from torch_pallas.distributed.labels import aligned, strategies
 
+
 def _labels(q, k, mask, seed):
     """(q's labels, k's and v's, the mask's, the seed's) for q (B, H, L, E)."""
     heads_split = k.shape[1] % math.prod(k.mesh.shape) == 0

@@ -287,11 +287,148 @@ registration.define(
 )
 
 
+# --- the rows' log-sum-exp (the loss over a vocabulary-split weight) ---------
+
+def _no_class(x: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Kernel targets that match no column and are not ignored: each row's
+    loss is then its log-sum-exp, and its logits' gradient the softmax."""
+    return torch.full((x.shape[0],), vocab, dtype=torch.int32, device=x.device)
+
+
+def _logsumexp_fake(input, weight, bias, softcap):
+    return input.new_empty((input.shape[0],), dtype=torch.float32)
+
+
+def logsumexp_implementation(input, weight, bias, softcap):
+    _, lse, *_ = _run_chunks(input, weight, _no_class(input, weight.shape[0]), bias,
+                             _params(0.0, softcap))
+    return lse
+
+
+def _logsumexp_setup_context(ctx, inputs, output):
+    input, weight, bias, softcap = inputs
+    ctx.softcap = softcap
+    ctx.save_for_backward(input, weight, bias, output)
+
+
+def _logsumexp_backward(ctx, grad):
+    input, weight, bias, lse = ctx.saved_tensors
+    wanted = [ctx.needs_input_grad[i] for i in (0, 1, 2)]
+    if not any(wanted):
+        return None, None, None, None
+    grads = torch.ops.pallas.linear_logsumexp_backward(grad, input, weight, bias, lse,
+                                                       ctx.softcap, wanted)
+    return (*(g if w else None for g, w in zip(grads, wanted)), None)
+
+
+def _logsumexp_backward_fake(grad, input, weight, bias, lse, softcap, grads):
+    return _backward_fake(grad, input, weight, None, bias, lse, None, None, None, None, grads)
+
+
+def logsumexp_backward_implementation(grad, input, weight, bias, lse, softcap, grads):
+    _, _, *found = _run_chunks(input, weight, _no_class(input, weight.shape[0]), bias,
+                               _params(0.0, softcap), lse=lse, scale=grad.float(),
+                               grads=_written(grads, bias))
+    return tuple(found)
+
+
+registration.define(
+    "pallas::linear_logsumexp", logsumexp_implementation, fake=_logsumexp_fake,
+    schema="(Tensor input, Tensor weight, Tensor? bias, float? softcap) -> Tensor",
+    backward=_logsumexp_backward, setup_context=_logsumexp_setup_context,
+)
+registration.define(
+    "pallas::linear_logsumexp_backward", logsumexp_backward_implementation,
+    fake=_logsumexp_backward_fake,
+    schema="(Tensor grad, Tensor input, Tensor weight, Tensor? bias, Tensor lse, float? softcap, "
+           "bool[] grads) -> (Tensor, Tensor, Tensor)",
+)
+
+
+def _vocabulary_split(input, weight, bias, label_smoothing, softcap) -> int | None:
+    """The mesh dimension along which a DTensor weight is split on the
+    vocabulary (Shard(0)) when the loss can be computed from each shard's
+    log-sum-exp: the weight split along that one dimension and whole along
+    the others, a DTensor input, and no label smoothing of soft-capped
+    logits (the mean of every capped logit needs a pass of its own)."""
+    if not (checks.is_dtensor(weight) and checks.is_dtensor(input)) or (
+            label_smoothing and softcap is not None):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    split = [i for i, p in enumerate(weight.placements) if p != Replicate()]
+    if len(split) != 1 or weight.placements[split[0]] != Shard(0):
+        return None
+    if bias is not None and tuple(bias.placements) != tuple(weight.placements):
+        return None
+    return split[0]
+
+
+def _vocabulary_parallel(input, weight, target, bias, ignore_index, reduction, label_smoothing,
+                         softcap, dim: int):
+    """The loss over a weight split on the vocabulary along mesh dimension
+    `dim` (a ColwiseParallel LM head), as torch's `loss_parallel` computes
+    cross_entropy over vocabulary-split logits, without gathering the
+    weight or the logits: each rank computes on its shard (`local_map`)
+    every row's log-sum-exp, its target's logit where the target is one of
+    its classes, and with label smoothing the sum of its logits; DTensor
+    then gathers the log-sum-exps (one float per row and rank) and sums the
+    rest (one float per row). loss = logsumexp over the ranks' log-sum-exps
+    - (1 - eps) z_target - eps mean(z). The input's gradient is Partial over
+    the ranks, the weight's stays split."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import local_map
+
+    mesh, vocab, hidden = weight.device_mesh, weight.shape[0], input.shape[-1]
+    whole = [Replicate()] * mesh.ndim
+    split, summed = list(whole), list(whole)
+    split[dim], summed[dim] = Shard(0), Partial()
+    if tuple(input.placements) != tuple(whole):  # (only then: its gradient stays Partial)
+        input = input.redistribute(placements=whole)
+    x = input.reshape(-1, hidden)
+    t = target.full_tensor() if checks.is_dtensor(target) else target
+    t32 = _kernel_targets(t.reshape(-1), ignore_index, vocab)
+    start = min(mesh.get_coordinate()[dim] * -(-vocab // mesh.size(dim)), vocab)  # torch.chunk's
+
+    def shard_terms(x, w, b):
+        lse = torch.ops.pallas.linear_logsumexp(x, w, b, softcap)
+        mine = (t32 >= start) & (t32 < start + w.shape[0])
+        rows = torch.where(mine, t32 - start, 0)
+        z = (x.float() * w[rows].float()).sum(-1).to(x.dtype)  # as F.linear rounds
+        if b is not None:
+            z = z + b[rows]
+        z = z.float()
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        terms = torch.where(mine, z, 0.0) * (1.0 - label_smoothing)
+        if label_smoothing:
+            total = x.float() @ w.float().sum(0) + (0.0 if b is None else b.float().sum())
+            terms = terms + total * (label_smoothing / vocab)
+        return lse.unsqueeze(0), terms
+
+    weights = (split, split) if bias is not None else (split, None)
+    stacked, terms = local_map(
+        shard_terms, out_placements=(split, summed),
+        in_placements=(whole, *weights), in_grad_placements=(summed, *weights),
+        device_mesh=mesh)(x, weight, bias)
+    lse = torch.logsumexp(stacked.redistribute(placements=whole), dim=0)
+    valid = DTensor.from_local(t32 >= 0, mesh, whole, run_check=False)
+    rows = torch.where(valid, lse - terms.redistribute(placements=whole), 0.0)
+    if reduction == "none":
+        return rows.reshape(target.shape)
+    total = rows.sum()
+    return total / valid.sum() if reduction == "mean" else total
+
+
 # --- the composite, the public signature --------------------------------------
 
 def linear_cross_entropy_implementation(input, weight, target, bias=None, *, ignore_index=-100,
                                         reduction="mean", label_smoothing=0.0, softcap=None):
     _check(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap)
+    split = _vocabulary_split(input, weight, bias, label_smoothing, softcap)
+    if split is not None:
+        return _vocabulary_parallel(input, weight, target, bias, ignore_index, reduction,
+                                    label_smoothing, softcap, split)
     hidden = input.shape[-1]
     grads = [torch.is_grad_enabled() and t is not None and t.requires_grad
              for t in (input, weight, bias)]

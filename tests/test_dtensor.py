@@ -12,7 +12,8 @@ op (or the composition of torch ops it replaces). The parent checks that
 - the values (full_tensor) and the gradients of every input that requires
   one equal torch's on the whole tensors in one process;
 - a placement the rule does not allow is redistributed, never refused
-  (the fused loss with a vocabulary-split weight, attention with dropout).
+  (the fused loss smoothing soft-capped logits over a vocabulary-split
+  weight, attention with dropout).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 import torch_pallas
 from test_distributed import free_port
+from torch_pallas.ops.linear_cross_entropy import torch_linear_cross_entropy
 from torch_pallas.ops.rotary_embedding import torch_rotary_embedding  # transformers' composition
 
 WORLD = 2
@@ -127,11 +129,37 @@ CASES = {
                                        ).reshape(t.shape),
         [(4, 3, 8), (11, 8), (lambda: _targets(12, 11).reshape(4, 3), False)],
         ["S0", "R", "S0"], ["S0"]),
+    "linear_logsumexp tokens": Case(
+        lambda x, w: torch.ops.pallas.linear_logsumexp(x, w, None, None),
+        lambda x, w: torch.logsumexp(F.linear(x, w).float(), -1),
+        [(9, 8), (11, 8)], ["S0", "R"], ["S0"]),
+    # a ColwiseParallel LM head: each rank's vocabulary shard (11 classes:
+    # 6 and 5), the rows' log-sum-exps gathered and their target logits
+    # summed (the two collectives), never the weight or the logits
+    "linear_cross_entropy vocabulary mean": Case(
+        torch_pallas.linear_cross_entropy, _lce_reference,
+        [(9, 8), (11, 8), (lambda: _targets(9, 11), False)], ["R", "S0", "R"], ["R"],
+        collectives=2),
+    "linear_cross_entropy vocabulary sum smoothed bias": Case(
+        lambda x, w, t, b: torch_pallas.linear_cross_entropy(x, w, t, b, reduction="sum",
+                                                             label_smoothing=0.1),
+        lambda x, w, t, b: torch_linear_cross_entropy(x, w, t, b, reduction="sum",
+                                                      label_smoothing=0.1),
+        [(9, 8), (13, 8), (lambda: _targets(9, 13), False), (13,)], ["R", "S0", "R", "S0"],
+        ["R"], collectives=2),
+    "linear_cross_entropy vocabulary none softcap": Case(
+        lambda x, w, t: torch_pallas.linear_cross_entropy(x, w, t, reduction="none", softcap=3.0),
+        lambda x, w, t: torch_linear_cross_entropy(x, w, t, reduction="none", softcap=3.0),
+        [(3, 3, 8), (11, 8), (lambda: _targets(9, 11).reshape(3, 3), False)], ["R", "S0", "R"],
+        ["R"], collectives=2),
 }
 # Placements a rule does not allow: DTensor redistributes them first.
 REDISTRIBUTED = {
-    "linear_cross_entropy vocabulary split": Case(
-        torch_pallas.linear_cross_entropy, _lce_reference,
+    # the smoothing term of capped logits needs every logit: the weight gathered
+    "linear_cross_entropy vocabulary smoothed softcap": Case(
+        lambda x, w, t: torch_pallas.linear_cross_entropy(x, w, t, label_smoothing=0.1,
+                                                          softcap=3.0),
+        lambda x, w, t: torch_linear_cross_entropy(x, w, t, label_smoothing=0.1, softcap=3.0),
         [(9, 8), (11, 8), (lambda: _targets(9, 11), False)], ["R", "S0", "R"], ["R"]),
     "attention dropout heads": Case(
         lambda q, k, v: torch_pallas.attention(q, k, v, dropout_p=0.3),
@@ -294,6 +322,13 @@ def test_parameter_gradients_are_partial_sums_where_the_rows_split(results):
     assert results["rotary angle gradients"]["grad_placements"][2:] == [["P(sum)"], ["P(sum)"]]
     assert results["linear_cross_entropy tokens none"]["grad_placements"] == [["S(0)"],
                                                                              ["P(sum)"]]
+
+
+def test_a_vocabulary_split_weight_keeps_its_gradient_split(results):
+    """Each rank's share of the input's gradient is Partial (its classes'
+    part); the weight's and the bias's gradients stay on their shards."""
+    found = results["linear_cross_entropy vocabulary sum smoothed bias"]
+    assert found["grad_placements"] == [["P(sum)"], ["S(0)"], ["S(0)"]], found
 
 
 REGISTRATION = """

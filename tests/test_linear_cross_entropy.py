@@ -130,6 +130,37 @@ def test_every_backend_and_dtype(cpu_backend, dtype, small_chunks):
     check(x, w, target, None, f"{cpu_backend} {dtype} none", reduction="none")
 
 
+@pytest.mark.parametrize("dtype, softcap, bias", [
+    (torch.float32, None, True), (torch.bfloat16, 2.5, False)], ids=str)
+def test_rows_log_sum_exp_and_its_gradients_match_float64(small_chunks, dtype, softcap, bias):
+    """pallas::linear_logsumexp, each row's log-sum-exp of its logits (what
+    each rank of a vocabulary-split weight computes): ragged rows and
+    vocabulary, chunked, against float64."""
+    x, w, _, b = inputs((37,), 24, 101, dtype, bias)
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
+    lse = torch.ops.pallas.linear_logsumexp(*leaves, softcap)
+    grad = torch.randn(lse.shape)
+    ours = torch.autograd.grad(lse, [t for t in leaves if t is not None], grad)
+    leaves64 = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, b)]
+    z = F.linear(*leaves64).to(dtype).double()  # rounded as F.linear rounds
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    expected = torch.logsumexp(z, -1)
+    theirs = torch.autograd.grad(expected, [t for t in leaves64 if t is not None], grad.double())
+    assert lse.dtype == torch.float32
+    assert_within(lse, expected, lce_op.error_bound(x, w, expected), f"lse {dtype}")
+    for name, g, g64, leaf in zip(("input", "weight", "bias"), ours, theirs, leaves):
+        assert g.dtype == leaf.dtype and g.shape == leaf.shape, name
+        bound = 32 * dtypes.ROUNDING[dtype] * (g64.abs() + g64.abs().mean()) + 1e-6
+        assert_within(g, g64, bound, f"lse d{name} {dtype}")
+
+
+def test_rows_log_sum_exp_passes_opcheck(small_chunks):
+    x, w, _, b = inputs((13,), 8, 21, torch.float32)
+    torch.library.opcheck(torch.ops.pallas.linear_logsumexp.default,
+                          (x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), None))
+
+
 def test_ignore_index_absent_and_a_real_class(small_chunks):
     x, w, target, b = inputs((30,), 16, 50, torch.float32, ignored=0)
     check(x, w, target, b, "nothing ignored")

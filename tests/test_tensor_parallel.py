@@ -30,16 +30,16 @@ The variants (each a wrapping, a plan and a loss):
   gate/up, RowwiseParallel o and down). With the default
   `use_local_output=True` the attention reshapes the local projections
   with `view(..., -1, head_dim)`, so each rank computes its own heads with
-  the config's head counts untouched. The LM head stays whole: the fused
-  loss (apply's cross_entropy=True) reads the LM head's weight outside its
-  forward, so a ColwiseParallel head (transformers' `colwise_gather_output`)
-  cannot feed it: its output hook replaces the hidden states the loss
-  reads, and apply raises.
+  the config's head counts untouched. The LM head stays whole.
 - "apply_sequence_parallel": apply, and the sequence-parallel plan of
   torchtitan's Llama: the embedding RowwiseParallel to a sequence split,
   SequenceParallel norms, PrepareModuleInput gathering the sequence before
   attention and the MLP, RowwiseParallel o and down reduce-scattering back
   to it; the LM head's input gathered whole for the fused loss.
+- "apply_vocabulary_parallel": apply, and the same sequence-parallel plan
+  with the LM head ColwiseParallel (split on the vocabulary): the fused
+  loss computes on each rank's vocabulary shard and gathers per-token
+  statistics only, never the weight or the logits.
 - "apply_loss_parallel": apply(cross_entropy=False) and the same
   sequence-parallel plan with the LM head ColwiseParallel, its logits left
   split on the vocabulary and the loss under torch's `loss_parallel()`.
@@ -173,6 +173,9 @@ VARIANTS = {
     "apply_sequence_parallel": Variant(
         torch_pallas.transformers.apply,
         lambda m: {**sequence_parallel_plan(m), **whole_head_after_sequence_parallel()}, False, False),
+    "apply_vocabulary_parallel": Variant(
+        torch_pallas.transformers.apply,
+        lambda m: {**sequence_parallel_plan(m), **loss_parallel_head(sequence_parallel=True)}, False, False),
     "apply_loss_parallel": Variant(
         lambda m: torch_pallas.transformers.apply(m, cross_entropy=False),
         lambda m: {**sequence_parallel_plan(m), **loss_parallel_head(sequence_parallel=True)}, False, True),
@@ -184,7 +187,8 @@ VARIANTS = {
         True, False),
 }
 
-FUSED_LOSS = {"apply", "apply_sequence_parallel", "dtensor_activations"}  # the rest: loss_parallel
+FUSED_LOSS = {"apply", "apply_sequence_parallel", "dtensor_activations",
+              "apply_vocabulary_parallel"}  # the rest: torch's loss under loss_parallel
 
 # Each variant's forward collectives: two RowwiseParallel layers per decoder
 # layer; with sequence parallelism also the embedding's reduce-scatter and
@@ -193,6 +197,7 @@ SEQUENCE_PARALLEL_COMMS = {"reduce_scatter_tensor": 1 + 2 * LAYERS, "all_gather_
 FORWARD_COMMS = {
     "apply": {"all_reduce": 2 * LAYERS},
     "apply_sequence_parallel": SEQUENCE_PARALLEL_COMMS,
+    "apply_vocabulary_parallel": SEQUENCE_PARALLEL_COMMS,
     "apply_loss_parallel": SEQUENCE_PARALLEL_COMMS,
     "replace_linear": {"all_reduce": 2 * LAYERS},
     "dtensor_activations": {"all_reduce": 2 * LAYERS},
@@ -359,7 +364,8 @@ def check_values_and_gradients(seen, reference, name):
     assert seen["grads"].keys() == reference["grads"].keys()
     for param, grad in reference["grads"].items():
         assert_equal(seen["grads"][param], grad, param)
-    fused = "pallas::linear_cross_entropy_forward" in seen["train_pallas_ops"]
+    fused = bool({"pallas::linear_cross_entropy_forward", "pallas::linear_logsumexp"}
+                 & seen["train_pallas_ops"])
     assert fused == (name in FUSED_LOSS), "the loss ran on the fused op" if fused else "torch's loss ran"
 
 
@@ -369,6 +375,8 @@ ACTIVATIONS = {
     (BATCH, SEQUENCE // WORLD, HIDDEN),  # a sequence shard, all-gathered
     (WORLD * BATCH, SEQUENCE // WORLD, HIDDEN),  # the stream as reduce-scatter takes it: the shards stacked
     (BATCH * SEQUENCE, 1),  # loss_parallel's per-token statistics
+    (1, BATCH * SEQUENCE),  # the fused loss's: each vocabulary shard's log-sum-exps, gathered
+    (BATCH * SEQUENCE,),  # and its target logits, summed
 }
 
 
@@ -381,8 +389,9 @@ def check_collectives(seen, reference, name):
     # shape, whole or local (or its transpose), none of which is an activation's.
     weights = seen["parameter_shapes"]
     assert not ACTIVATIONS & (weights | {shape[::-1] for shape in weights})
-    for collective, shape in seen["forward_collectives"] + seen["train_collectives"]:
-        assert shape in ACTIVATIONS, (collective, shape)
+    every = seen["forward_collectives"] + seen["train_collectives"]
+    for collective, shape in every:
+        assert shape in ACTIVATIONS, (collective, shape, every)
 
 
 def _matmul(tokens_shape, weight_t):
@@ -425,8 +434,8 @@ def check_pallas_kernels_receive_local_shards(seen, reference):
     assert seen_by(seen, "apply_sequence_parallel")["pallas_calls"] == model(
         half_sequence, per_layer, whole_head)
     split_head = _matmul(tokens, (HIDDEN, VOCAB // WORLD))
-    assert seen_by(seen, "apply_loss_parallel")["pallas_calls"] == model(
-        half_sequence, per_layer, split_head)
+    for name in ("apply_loss_parallel", "apply_vocabulary_parallel"):
+        assert seen_by(seen, name)["pallas_calls"] == model(half_sequence, per_layer, split_head)
     # replace_linear: the products and attention alone on the Pallas ops
     products_and_attention = collections.Counter({
         call: n * LAYERS for call, n in per_layer.items()
@@ -439,7 +448,7 @@ def check_each_rank_holds_half_of_every_sharded_parameter(seen, reference):
     single = llama()
     full_bytes = {name: p.nbytes for name, p in single.named_parameters()}
     total = sum(full_bytes.values())
-    for name in ("apply", "apply_loss_parallel"):
+    for name in ("apply", "apply_loss_parallel", "apply_vocabulary_parallel"):
         variant = seen_by(seen, name)
         sharded = sum(full_bytes[p] for p in variant["sharded"])
         assert variant["local_bytes"] == [total - sharded // WORLD] * WORLD, name

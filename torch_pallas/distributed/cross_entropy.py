@@ -6,8 +6,14 @@ split tokens divides by the count of every rank's tokens, so the composite
 computes it as the "sum" over the count (ops/linear_cross_entropy.py) and
 the forward op is never asked for a split "mean".
 
-A weight split along the vocabulary (a ColwiseParallel LM head) is
-gathered by DTensor: each token's log-sum-exp needs every logit.
+A weight split along the vocabulary (a ColwiseParallel LM head) never
+reaches these ops: each token's log-sum-exp needs every logit, so the
+composite computes the loss from each rank's shard instead (its rows'
+log-sum-exps, `pallas::linear_logsumexp`, gathered, and its target logits
+summed: `_vocabulary_parallel` in ops/linear_cross_entropy.py), as torch's
+`loss_parallel` does for cross_entropy. Only label smoothing of
+soft-capped logits, whose mean needs every capped logit, leaves the weight
+to DTensor, which gathers it.
 """
 
 from __future__ import annotations
@@ -39,3 +45,16 @@ def linear_cross_entropy_backward(grad_loss, input, weight, target, bias, lse, i
     arguments = [per_token, TOKENS, WHOLE, ("tokens",), None if bias is None else (None,),
                  ("tokens",), None, None, None, None, None]
     return strategies([TOKENS, WHOLE, (None,)], arguments, summed=[0, 1, 2])
+
+
+@register_sharding(torch.ops.pallas.linear_logsumexp.default)
+def linear_logsumexp(input, weight, bias, softcap):
+    arguments = [TOKENS, WHOLE, None if bias is None else (None,), None]
+    return strategies([("tokens",)], arguments)
+
+
+@register_sharding(torch.ops.pallas.linear_logsumexp_backward.default)
+def linear_logsumexp_backward(grad, input, weight, bias, lse, softcap, grads):
+    arguments = [("tokens",), TOKENS, WHOLE, None if bias is None else (None,), ("tokens",),
+                 None, None]
+    return strategies([TOKENS, WHOLE, (None,)], arguments, summed=[1, 2])

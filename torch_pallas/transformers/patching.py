@@ -496,6 +496,7 @@ def _linears(model, checks: _Checks) -> int:
 
 FUSING = "_torch_pallas_fusing"  # on the LM head: True while the model's forward fuses
 HIDDEN = "_torch_pallas_hidden"  # on the LM head: the hidden states it passed through
+PASSED = "_torch_pallas_passed"  # on the LM head: its output after its forward hooks
 LOSS_METHOD = "torch_pallas_fused_loss"  # on the LM head: the fused loss from its parameters
 
 
@@ -521,7 +522,7 @@ def _fused_causal_lm_loss(self, logits, labels, vocab_size: int, num_items_in_ba
     if hidden is None:  # real logits: eval mode with labels, or not fusing
         return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
                                shift_labels, **kwargs)
-    if not _passed_through(logits, hidden):
+    if not _passed_through(logits, getattr(head, PASSED, None)):
         raise RuntimeError(
             f"{WHERE}: {type(self).__name__}'s forward changes the LM head's output before its "
             "loss (a softcap or scale, say), so the fused loss cannot stand in for it; apply "
@@ -530,7 +531,11 @@ def _fused_causal_lm_loss(self, logits, labels, vocab_size: int, num_items_in_ba
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = _head_loss(head)(logits, shift_labels, ignore_index, reduction)
+    # The head's input as the model received it (so that a backward hook
+    # on the head sees its gradient), unless the head's forward hooks laid
+    # it out anew (a ColwiseParallel head splits it as it splits logits).
+    source = logits if _passed_through(logits, hidden) else hidden
+    loss = _head_loss(head)(source, shift_labels, ignore_index, reduction)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)
@@ -538,16 +543,22 @@ def _fused_causal_lm_loss(self, logits, labels, vocab_size: int, num_items_in_ba
     return loss
 
 
-def _passed_through(logits, hidden: torch.Tensor) -> bool:
-    """Whether the model's "logits" are the hidden states the fusing LM head
-    passed through: the same tensor, or an alias of it that a module hook
-    made (a full backward hook's, torch's CommDebugMode's), which the loss
-    then reads so that the hook sees its gradient."""
-    if logits is hidden:
+def _record_output(head, inputs, output):
+    setattr(head, PASSED, output)
+
+
+def _passed_through(logits, passed) -> bool:
+    """Whether the model's "logits" are what the fusing LM head returned
+    (its input, or what the head's forward hooks made of it: a
+    ColwiseParallel head's split of it): the same tensor, or an alias of it
+    that a backward hook made (a full backward hook's, torch's
+    CommDebugMode's), which the loss then reads so that the hook sees its
+    gradient."""
+    if logits is passed:
         return True
-    return (type(logits) is torch.Tensor and type(hidden) is torch.Tensor
-            and logits.shape == hidden.shape and logits.stride() == hidden.stride()
-            and logits.data_ptr() == hidden.data_ptr())
+    return (type(logits) is torch.Tensor and type(passed) is torch.Tensor
+            and logits.shape == passed.shape and logits.stride() == passed.stride()
+            and logits.data_ptr() == passed.data_ptr())
 
 
 def _check_not_distributed(model: torch.nn.Module) -> None:
@@ -599,11 +610,16 @@ def _fusing_forward(cls: type):
             return forward(self, *args, **kwargs)
         head = self.get_output_embeddings()
         setattr(head, FUSING, True)
+        # Last of the head's forward hooks: what the model receives as its
+        # logits once every hook has run (tensor parallelism's, FSDP's).
+        recording = head.register_forward_hook(_record_output)
         try:
             outputs = forward(self, *args, **kwargs)
         finally:
+            recording.remove()
             setattr(head, FUSING, False)
             setattr(head, HIDDEN, None)
+            setattr(head, PASSED, None)
         return _without_logits(outputs)
 
     return forward_fusing_the_loss

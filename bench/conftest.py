@@ -109,7 +109,7 @@ def pytest_report_header(config):
     ]
 
 
-UNITS = {"GFLOP/s": 1e9, "TFLOP/s": 1e12, "GB/s": 1e9, "tokens/s": 1.0}
+UNITS = {"GFLOP/s": 1e9, "TFLOP/s": 1e12, "GB/s": 1e9, "tokens/s": 1.0, "calls/s": 1.0}
 
 
 def record(benchmark, provider, *, op, dtype, shape, work: float, unit: str):

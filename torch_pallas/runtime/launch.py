@@ -139,6 +139,14 @@ def _user_kernels(op: str) -> UserKernelSupport:
     return _user_kernel_support
 
 
+def call_signature(op: str, device: torch.device, inputs: tuple[torch.Tensor, ...],
+                   params: Mapping[str, Any], user_function: Callable | None = None) -> tuple:
+    """Everything a call's backend and kernel follow from, as the call has
+    it: the key under which a repeated call finds them again."""
+    return (op, device, backends.requested(), simulators.detecting_races(), user_function,
+            static_key(params), *[(t.shape, t.dtype) for t in inputs])
+
+
 def compiled_kernel(
     op: str,
     device: torch.device,
@@ -151,14 +159,12 @@ def compiled_kernel(
     returns JAX arrays (Triton kernels: torch tensors). `user_function` is a
     user's JAX function standing in for a shipped op's kernels."""
     params = params or {}
-    # Everything the backend and the kernel follow from, as the call has it.
-    static = static_key(params)
-    signature = (op, device, backends.requested(), simulators.detecting_races(),
-                 user_function, static, *[(t.shape, t.dtype) for t in inputs])
+    signature = call_signature(op, device, inputs, params, user_function)
     found = compile_cache.compiled.lookup_signature(signature)
     if found is not None:
         key, backend, kernel = found
         return backend, kernel, key
+    static = signature[5]
     name = qualified_name(op)
     backend = backends.select(device, name)
     avals = tuple((tuple(t.shape), dtypes.jax_name(t.dtype)) for t in inputs)
@@ -236,13 +242,21 @@ def run(
         execution = triton.execution(device=device, takes_inputs=bool(inputs))
         return spec.run(*inputs, **(params or {}), config=spec.default_config(triton.name),
                         wrap=torch.library.wrap_triton, **execution)
+    if user_function is None:  # a shipped op's repeated call: straight to its kernel
+        signature = call_signature(op, device, inputs, params or {})
+        ready = _ready.get(signature, compile_cache.compiled.generation)
+        if ready is not None:
+            return ready(*inputs)
     backend, kernel, key = compiled_kernel(op, device, inputs, params, user_function)
     if backend.family == "triton":
         return kernel(*inputs)
     if not backend.simulated:
-        if device.type == "cpu":  # results on the CPU: exported without a look at their device
-            return _run_compiled(kernel, *inputs, export=bridge.cpu_to_torch())
-        return _run_compiled(kernel, *inputs)
+        if device.type != "cpu":
+            return _run_compiled(kernel, *inputs)
+        call = _cpu_call(kernel, inputs)
+        if user_function is None and backends.choice_is_stable(backend, device):
+            _ready.put(signature, compile_cache.compiled.generation, call)
+        return call(*inputs)
     arrays = [bridge.to_kernel_argument(t) for t in inputs]
     _, _, _, avals, _, detect_races = key[:6]
     out = simulators.run(
@@ -265,15 +279,47 @@ def bound(op: str, device: torch.device, inputs: tuple[torch.Tensor, ...],
         return None
     if device.type != "cpu":
         return functools.partial(_run_compiled, kernel)
-    # What _run_compiled does, with each input's conversion chosen for its
-    # dtype and the result's device known.
+    return _cpu_call(kernel, inputs)
+
+
+def _cpu_call(kernel, inputs: tuple[torch.Tensor, ...]) -> Callable:
+    """What _run_compiled does for CPU tensors shaped as `inputs`, with each
+    input's conversion chosen for its dtype and the result's device known."""
     makers = tuple(bridge.kernel_argument_maker(t.dtype) for t in inputs)
     export = bridge.cpu_to_torch()
+    if len(makers) == 2:  # most ops: no generator, no zip
+        (make_a, make_b) = makers
+        return lambda a, b: _to_torch(kernel(make_a(a), make_b(b)), export)
 
     def call(*tensors):
         return _to_torch(kernel(*[make(t) for make, t in zip(makers, tensors)]), export)
 
     return call
+
+
+class _ReadyCalls:
+    """Calls ready to run (a CPU kernel with its conversions), by call
+    signature: a repeated call of a shipped op skips the kernel's search
+    and the conversions' choice. Bounded as the compile cache is, and
+    emptied when it is cleared (its generation moves)."""
+
+    def __init__(self):
+        self._calls: dict[tuple, Callable] = {}
+        self._generation = compile_cache.compiled.generation
+
+    def get(self, signature: tuple, generation: int) -> Callable | None:
+        if generation != self._generation:
+            return None
+        return self._calls.get(signature)
+
+    def put(self, signature: tuple, generation: int, call: Callable) -> None:
+        if generation != self._generation or len(self._calls) >= compile_cache.MAX_ENTRIES:
+            self._calls = {}
+            self._generation = generation
+        self._calls[signature] = call
+
+
+_ready = _ReadyCalls()
 
 
 def cpu_kernel(op: str, inputs: tuple[torch.Tensor, ...],

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from torch_pallas.base import dtypes
+from torch_pallas.base import dtypes, torch_compat
 from torch_pallas.runtime import compile_path
 
 
@@ -95,7 +95,7 @@ def factory_device(op: str, device, *, fake: bool = False) -> torch.device:
     a graph may be traced for a GPU the tracing machine lacks, as torch's own
     factories may be under fake tensors; the implementation checks when it
     runs. A missing index is then the one FakeTensor itself picks."""
-    device = torch.device(device) if device is not None else torch.get_default_device()
+    device = torch.device(device) if device is not None else torch_compat.default_device()
     if device.type != "cuda":
         return device
     if fake or compile_path.tracing_triton():  # traced into the Triton kernels, not run
@@ -130,7 +130,7 @@ def caller_device(device):
     mode, no longer sees): for the factory ops' Python functions. Dynamo
     cannot trace the lookup: a compiled call leaves it to the op."""
     if device is None and not torch.compiler.is_compiling():
-        return torch.get_default_device()
+        return torch_compat.default_device()
     return device
 
 

@@ -9,6 +9,7 @@ and widened, which is exact for the values accepted (checked).
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -56,10 +57,9 @@ def kernel_value(value, dtype: torch.dtype):
             raise checks.RefusedLikeTorch(
                 f"{OP}: value {value!r} cannot be converted to {dtype} without overflow"
             )
-        in_float32 = float(torch.tensor(value, dtype=torch.float32))
         if dtype in (torch.float16, torch.bfloat16):
-            value = in_float32
-        if dtype == torch.float64 and in_float32 != value:
+            value = _in_float32(value)
+        if dtype == torch.float64 and _in_float32(value) != value:
             raise ValueError(
                 f"{OP}: value {value!r} is not exactly representable in the float32 "
                 "the kernel computes float64 results in; use dtype=torch.float32"
@@ -81,6 +81,15 @@ def kernel_value(value, dtype: torch.dtype):
     return value
 
 
+def _in_float32(value: float) -> float:
+    """`value` rounded to float32 as torch rounds a double (to nearest; an
+    infinity past its range)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
 def _check_size(size) -> tuple:
     for i, s in enumerate(size):
         checks.size(OP, f"size[{i}]", s)
@@ -99,7 +108,7 @@ def fill_implementation(size, value, *, dtype=None, device=None):
         "fill", device,
         params={"shape": size, "value": value, "dtype": dtypes.jax_name(kernel_dtype)},
     )
-    return out.to(dtype)
+    return out if kernel_dtype == dtype else out.to(dtype)
 
 
 def fill_fake(size, value, *, dtype=None, device=None):
@@ -116,6 +125,10 @@ registration.define(
 )
 
 
+# torch.ops.pallas.fill, skipping the dispatcher on plain eager calls.
+call = registration.direct_caller(torch.ops.pallas.fill.default)
+
+
 def fill(size: int | Sequence[int], value, *, dtype=None, device=None) -> torch.Tensor:
     """A new tensor of shape `size` filled with `value`, like `torch.full`.
 
@@ -128,7 +141,7 @@ def fill(size: int | Sequence[int], value, *, dtype=None, device=None) -> torch.
     # Before the dispatcher, which refuses a float size with a RuntimeError:
     # torch.full raises TypeError, and this names the position.
     _check_size(size)
-    return torch.ops.pallas.fill(size, value, dtype=dtype, device=checks.caller_device(device))
+    return call(size, value, dtype=dtype, device=checks.caller_device(device))
 
 
 def reference(size, value, dtype) -> torch.Tensor:

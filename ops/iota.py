@@ -51,7 +51,7 @@ def iota_implementation(n, *, dtype=None, device=None):
     # 64-bit results: count in int32 (exact below 2**31), widen afterwards.
     kernel_dtype = torch.int32 if dtype in dtypes.COMPUTED_IN_32_BITS else dtype
     out = launch.run("iota", device, params={"n": n, "dtype": dtypes.jax_name(kernel_dtype)})
-    return out.to(dtype)
+    return out if kernel_dtype == dtype else out.to(dtype)
 
 
 def iota_fake(n, *, dtype=None, device=None):
@@ -67,6 +67,10 @@ registration.define(
 )
 
 
+# torch.ops.pallas.iota, skipping the dispatcher on plain eager calls.
+call = registration.direct_caller(torch.ops.pallas.iota.default)
+
+
 def iota(n: int, *, dtype=None, device=None) -> torch.Tensor:
     """[0, 1, ..., n-1], like `torch.arange(n)` (int64 unless `dtype` says).
 
@@ -74,7 +78,7 @@ def iota(n: int, *, dtype=None, device=None) -> torch.Tensor:
     value, as torch.arange rounds on CUDA; torch.arange on CPU rounds some
     positions a step lower (see this module's docstring)."""
     checks.size(OP, "n", n)  # before the dispatcher, which refuses a float n with a RuntimeError
-    return torch.ops.pallas.iota(n, dtype=dtype, device=checks.caller_device(device))
+    return call(n, dtype=dtype, device=checks.caller_device(device))
 
 
 def reference(n: int, dtype) -> torch.Tensor:

@@ -34,6 +34,27 @@ def test_ops_work_with_the_public_api_alone(public):
     assert result.returncode == 0 and result.stdout.strip().endswith("OK"), result.stderr[-3000:]
 
 
+def test_the_default_device_read_fast_is_torchs():
+    """torch_compat.default_device() against torch.get_default_device():
+    none set, set_default_device, `with torch.device(...)` inside it, and
+    a factory op under each (its tensor lands where torch.full's does)."""
+    def agree():
+        assert torch_compat.default_device() == torch.get_default_device()
+        assert torch_pallas.fill((3,), 1.5).device == torch.full((3,), 1.5).device
+
+    agree()
+    try:
+        torch.set_default_device("meta")
+        agree()
+        with torch.device("cpu"):
+            agree()
+        agree()
+    finally:
+        torch.set_default_device(None)
+    agree()
+    assert torch_compat.default_device() == torch.device("cpu")
+
+
 def test_an_unknown_probe_name_is_refused():
     env = dict(os.environ, **{torch_compat.ENV_VAR: "autograd_kernal"})
     result = subprocess.run([sys.executable, "-c", "import torch_pallas"], env=env,

@@ -189,6 +189,7 @@ class Eager(NamedTuple):
     below_views: Callable[[], Any]  # AutoDispatchBelowADInplaceOrView guard
     has_cpu_kernel: Callable[[str], bool]  # op name: a kernel registered for the CPU key itself
     any_requires_grad: Callable[..., bool]  # of tensors
+    default_device: Callable[[], torch.device]  # torch.get_default_device(), read fast
 
 
 def _eager() -> Eager:
@@ -209,13 +210,26 @@ def _eager() -> Eager:
                     or tracer() is not None or profiler() or forward_ad._current_level >= 0)
 
     has_kernel, cpu = C._dispatch_has_kernel_for_dispatch_key, C.DispatchKey.CPU
+    get_default_device, cpu_device = torch.get_default_device, torch.device("cpu")
+
+    def default_device() -> torch.device:
+        """torch.get_default_device() (12 us on the 2-core CPU): a default
+        device other than the CPU is a TorchFunctionMode (set_default_device,
+        `with torch.device(...)`), so without one it is the CPU."""
+        return get_default_device() if function_modes() else cpu_device
+
+    if function_modes() or get_default_device() != cpu_device:  # what the rule rests on
+        raise TypeError("a default device without a function mode")
     return Eager(plain_cpu_key_sets=plain, key_set=lambda t: C._dispatch_keys(t).raw_repr(),
                  unintercepted=unintercepted, below_views=C._AutoDispatchBelowADInplaceOrView,
                  has_cpu_kernel=lambda name: has_kernel(name, cpu),
-                 any_requires_grad=getattr(C, "_any_requires_grad", _any_requires_grad))
+                 any_requires_grad=getattr(C, "_any_requires_grad", _any_requires_grad),
+                 default_device=default_device)
 
 
 EAGER: Eager | None = _probe("eager_direct", _eager)
+default_device: Callable[[], torch.device] = (torch.get_default_device if EAGER is None
+                                              else EAGER.default_device)
 
 
 # --- fp32_precision -------------------------------------------------------

@@ -108,11 +108,12 @@ _kernels: dict[str, Callable] = {}  # op name -> its kernel for every device
 
 
 def direct_caller(op) -> Callable:
-    """A function calling `op` (a `define`d op's OpOverload) on positional
-    tensors as `op(*args)` does, which runs the op's kernel straight where
-    `runs_directly(op)` allows it. Every other call goes through `op`;
-    without torch's internals (torch_compat's eager_direct probe) this is
-    `op` itself.
+    """A function calling `op` (a `define`d op's OpOverload) as `op(*args,
+    **kwargs)` does, its tensors positional (keyword arguments are never
+    tensors: a factory's dtype and device), which runs the op's kernel
+    straight where `runs_directly(op)` allows it. Every other call goes
+    through `op`; without torch's internals (torch_compat's eager_direct
+    probe) this is `op` itself.
 
     It skips the dispatcher's boxing and the op's Autograd kernel: 8-10 us
     of a small call on the 2-core CPU (the checks cost ~2), which a decode
@@ -123,11 +124,11 @@ def direct_caller(op) -> Callable:
     kernel = _kernels[op.name()]
     below_views = torch_compat.EAGER.below_views
 
-    def call(*args):
+    def call(*args, **kwargs):
         if not direct(*args):  # Dynamo traces this branch alone (direct is False while compiling)
-            return op(*args)
+            return op(*args, **kwargs)
         with below_views():
-            return kernel(*args)
+            return kernel(*args, **kwargs)
 
     return call
 

@@ -136,7 +136,18 @@ def test_rows_log_sum_exp_and_its_gradients_match_float64(small_chunks, dtype, s
     """pallas::linear_logsumexp, each row's log-sum-exp of its logits (what
     each rank of a vocabulary-split weight computes): ragged rows and
     vocabulary, chunked, against float64."""
-    x, w, _, b = inputs((37,), 24, 101, dtype, bias)
+    check_rows_log_sum_exp(inputs((37,), 24, 101, dtype, bias), softcap)
+
+
+def test_rows_log_sum_exp_on_every_backend(cpu_backend):
+    """Its target that matches no column (not an ignored row) on every
+    kernel family: a ragged vocabulary past one block, in bfloat16."""
+    check_rows_log_sum_exp(inputs((9,), 16, 150, torch.bfloat16), 4.0)
+
+
+def check_rows_log_sum_exp(made, softcap):
+    x, w, _, b = made
+    dtype = x.dtype
     leaves = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
     lse = torch.ops.pallas.linear_logsumexp(*leaves, softcap)
     grad = torch.randn(lse.shape)

@@ -320,6 +320,23 @@ def test_a_model_already_sharded_is_refused_before_anything_is_patched():
         dist.destroy_process_group()
 
 
+def test_a_forward_hook_changing_the_lm_heads_output_refuses_the_fused_loss():
+    """A hook that returns other logits (scaled) would be lost by a loss
+    computed from the head's input: the training forward raises, naming
+    the way out; a hook that returns them as they are changes nothing."""
+    reference, model, _ = pair("llama")
+    ids, mask, labels = batch()
+    model.train()
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: out)
+    expected = reference.train()(input_ids=ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                               expected, rtol=1e-5, atol=1e-6)
+    handle.remove()
+    model.lm_head.register_forward_hook(lambda module, args, out: out * 2)
+    with pytest.raises(RuntimeError, match="changes the LM head's output.*cross_entropy=False"):
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+
+
 def test_any_module_holding_what_it_knows_is_patched():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     x = torch.randn(3, 8)

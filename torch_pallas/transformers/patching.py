@@ -522,7 +522,11 @@ def _fused_causal_lm_loss(self, logits, labels, vocab_size: int, num_items_in_ba
     if hidden is None:  # real logits: eval mode with labels, or not fusing
         return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index,
                                shift_labels, **kwargs)
-    if not _passed_through(logits, getattr(head, PASSED, None)):
+    if _passed_through(logits, hidden):
+        source = logits  # (an alias: a backward hook on the head then sees its gradient)
+    elif logits is getattr(head, PASSED, None) and op_checks.is_dtensor(head.weight):
+        source = hidden  # tensor parallelism's hooks laid the output out anew (Colwise: split)
+    else:
         raise RuntimeError(
             f"{WHERE}: {type(self).__name__}'s forward changes the LM head's output before its "
             "loss (a softcap or scale, say), so the fused loss cannot stand in for it; apply "
@@ -531,10 +535,6 @@ def _fused_causal_lm_loss(self, logits, labels, vocab_size: int, num_items_in_ba
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:]
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    # The head's input as the model received it (so that a backward hook
-    # on the head sees its gradient), unless the head's forward hooks laid
-    # it out anew (a ColwiseParallel head splits it as it splits logits).
-    source = logits if _passed_through(logits, hidden) else hidden
     loss = _head_loss(head)(source, shift_labels, ignore_index, reduction)
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):
@@ -547,18 +547,18 @@ def _record_output(head, inputs, output):
     setattr(head, PASSED, output)
 
 
-def _passed_through(logits, passed) -> bool:
-    """Whether the model's "logits" are what the fusing LM head returned
-    (its input, or what the head's forward hooks made of it: a
-    ColwiseParallel head's split of it): the same tensor, or an alias of it
-    that a backward hook made (a full backward hook's, torch's
-    CommDebugMode's), which the loss then reads so that the hook sees its
-    gradient."""
-    if logits is passed:
+def _passed_through(logits, hidden: torch.Tensor) -> bool:
+    """Whether the model's "logits" are the hidden states the fusing LM head
+    passed through: the same tensor, or an alias of it that a module hook
+    made (a full backward hook's, torch's CommDebugMode's), which the loss
+    then reads so that the hook sees its gradient. (A forward hook that
+    returns anything else changes the logits: the fused loss is refused,
+    except for tensor parallelism's, which only lay them out anew.)"""
+    if logits is hidden:
         return True
-    return (type(logits) is torch.Tensor and type(passed) is torch.Tensor
-            and logits.shape == passed.shape and logits.stride() == passed.stride()
-            and logits.data_ptr() == passed.data_ptr())
+    return (type(logits) is torch.Tensor and type(hidden) is torch.Tensor
+            and logits.shape == hidden.shape and logits.stride() == hidden.stride()
+            and logits.data_ptr() == hidden.data_ptr())
 
 
 def _check_not_distributed(model: torch.nn.Module) -> None:
@@ -611,7 +611,7 @@ def _fusing_forward(cls: type):
         head = self.get_output_embeddings()
         setattr(head, FUSING, True)
         # Last of the head's forward hooks: what the model receives as its
-        # logits once every hook has run (tensor parallelism's, FSDP's).
+        # logits once every hook has run (tensor parallelism's re-layout).
         recording = head.register_forward_hook(_record_output)
         try:
             outputs = forward(self, *args, **kwargs)

@@ -60,37 +60,43 @@ def chunk_rows(rows: int, hidden: int, vocab: int) -> int:
 
 
 def _check(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
-    checks.tensor(OP, "input", input)
-    checks.tensor(OP, "weight", weight)
+    _check_linear(OP, input, weight, bias, softcap)
     checks.tensor(OP, "target", target)
-    checks.dtype_in(OP, "input", input.dtype, DTYPES)
-    checks.same_dtype(OP, input, weight, names=("input", "weight"))
-    checks.same_device(OP, input, weight, names=("input", "weight"))
     checks.same_device(OP, input, target, names=("input", "target"))
     checks.dtype_in(OP, "target", target.dtype, TARGET_DTYPES)
-    if input.dim() < 1 or weight.dim() != 2 or weight.shape[1] != input.shape[-1]:
-        raise checks.RefusedLikeTorch(
-            f"{OP}: input (..., H) and weight (V, H) must share H; got input.shape="
-            f"{tuple(input.shape)} and weight.shape={tuple(weight.shape)}")
     if tuple(target.shape) != tuple(input.shape[:-1]):
         raise checks.RefusedLikeTorch(
             f"{OP}: target.shape={tuple(target.shape)} must be input's leading shape "
             f"{tuple(input.shape[:-1])} (one class per row)")
-    if bias is not None:
-        checks.tensor(OP, "bias", bias)
-        checks.same_dtype(OP, input, bias, names=("input", "bias"))
-        checks.same_device(OP, input, bias, names=("input", "bias"))
-        if tuple(bias.shape) != (weight.shape[0],):
-            raise checks.RefusedLikeTorch(
-                f"{OP}: bias.shape={tuple(bias.shape)} must be (V,) = ({weight.shape[0]},)")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"{OP}: ignore_index must be an int, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"{OP}: reduction={reduction!r} must be one of {', '.join(REDUCTIONS)}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{OP}: label_smoothing={label_smoothing} must be in [0, 1]")
+
+
+def _check_linear(op, input, weight, bias, softcap):
+    """The logits' arguments: input (..., H), weight (V, H), bias (V,), of
+    one supported dtype and device, and the soft cap."""
+    checks.tensor(op, "input", input)
+    checks.tensor(op, "weight", weight)
+    checks.dtype_in(op, "input", input.dtype, DTYPES)
+    checks.same_dtype(op, input, weight, names=("input", "weight"))
+    checks.same_device(op, input, weight, names=("input", "weight"))
+    if input.dim() < 1 or weight.dim() != 2 or weight.shape[1] != input.shape[-1]:
+        raise checks.RefusedLikeTorch(
+            f"{op}: input (..., H) and weight (V, H) must share H; got input.shape="
+            f"{tuple(input.shape)} and weight.shape={tuple(weight.shape)}")
+    if bias is not None:
+        checks.tensor(op, "bias", bias)
+        checks.same_dtype(op, input, bias, names=("input", "bias"))
+        checks.same_device(op, input, bias, names=("input", "bias"))
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise checks.RefusedLikeTorch(
+                f"{op}: bias.shape={tuple(bias.shape)} must be (V,) = ({weight.shape[0]},)")
     if softcap is not None and not softcap > 0:
-        raise ValueError(f"{OP}: softcap={softcap} must be None or > 0")
+        raise ValueError(f"{op}: softcap={softcap} must be None or > 0")
 
 
 def _kernel_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
@@ -295,11 +301,20 @@ def _no_class(x: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.full((x.shape[0],), vocab, dtype=torch.int32, device=x.device)
 
 
+def _check_rows(input, weight, bias, softcap):
+    _check_linear("pallas::linear_logsumexp", input, weight, bias, softcap)
+    if input.dim() != 2:
+        raise ValueError(f"pallas::linear_logsumexp: input must be rows (R, H), got "
+                         f"input.shape={tuple(input.shape)}")
+
+
 def _logsumexp_fake(input, weight, bias, softcap):
+    _check_rows(input, weight, bias, softcap)
     return input.new_empty((input.shape[0],), dtype=torch.float32)
 
 
 def logsumexp_implementation(input, weight, bias, softcap):
+    _check_rows(input, weight, bias, softcap)
     _, lse, *_ = _run_chunks(input, weight, _no_class(input, weight.shape[0]), bias,
                              _params(0.0, softcap))
     return lse

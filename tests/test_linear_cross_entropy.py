@@ -166,6 +166,19 @@ def check_rows_log_sum_exp(made, softcap):
         assert_within(g, g64, bound, f"lse d{name} {dtype}")
 
 
+@pytest.mark.parametrize("change, error, match", [
+    (lambda x, w, b: (x, w[:, :7], b, None), RuntimeError, r"must share H.*\(11, 7\)"),
+    (lambda x, w, b: (x, w.double(), b, None), TypeError, "same dtype"),
+    (lambda x, w, b: (x[0], w, b, None), ValueError, r"rows \(R, H\).*\(8,\)"),
+    (lambda x, w, b: (x, w, b[:3], None), RuntimeError, r"bias.shape=\(3,\)"),
+    (lambda x, w, b: (x, w, b, -1.0), ValueError, "softcap=-1.0"),
+], ids=["hidden", "dtype", "rows", "bias", "softcap"])
+def test_rows_log_sum_exp_refuses_bad_arguments_naming_them(change, error, match):
+    x, w, _, b = inputs((5,), 8, 11, torch.float32)
+    with pytest.raises(error, match=r"pallas::linear_logsumexp: .*" + match):
+        torch.ops.pallas.linear_logsumexp(*change(x, w, b))
+
+
 def test_rows_log_sum_exp_passes_opcheck(small_chunks):
     x, w, _, b = inputs((13,), 8, 21, torch.float32)
     torch.library.opcheck(torch.ops.pallas.linear_logsumexp.default,

@@ -153,13 +153,16 @@ def compiled_kernel(
     inputs: tuple[torch.Tensor, ...] = (),
     params: Mapping[str, Any] | None = None,
     user_function: Callable | None = None,
+    signature: tuple | None = None,
 ):
     """(backend, kernel, cache key) for a call: the kernel compiled for these
     inputs' shapes and dtypes, built on first use. The kernel takes and
     returns JAX arrays (Triton kernels: torch tensors). `user_function` is a
-    user's JAX function standing in for a shipped op's kernels."""
+    user's JAX function standing in for a shipped op's kernels; `signature`
+    the call's `call_signature`, where the caller has it."""
     params = params or {}
-    signature = call_signature(op, device, inputs, params, user_function)
+    if signature is None:
+        signature = call_signature(op, device, inputs, params, user_function)
     found = compile_cache.compiled.lookup_signature(signature)
     if found is not None:
         key, backend, kernel = found
@@ -242,12 +245,12 @@ def run(
         execution = triton.execution(device=device, takes_inputs=bool(inputs))
         return spec.run(*inputs, **(params or {}), config=spec.default_config(triton.name),
                         wrap=torch.library.wrap_triton, **execution)
+    signature = call_signature(op, device, inputs, params or {}, user_function)
     if user_function is None:  # a shipped op's repeated call: straight to its kernel
-        signature = call_signature(op, device, inputs, params or {})
         ready = _ready.get(signature, compile_cache.compiled.generation)
         if ready is not None:
             return ready(*inputs)
-    backend, kernel, key = compiled_kernel(op, device, inputs, params, user_function)
+    backend, kernel, key = compiled_kernel(op, device, inputs, params, user_function, signature)
     if backend.family == "triton":
         return kernel(*inputs)
     if not backend.simulated:

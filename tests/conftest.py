@@ -30,23 +30,6 @@ import torch_pallas
 from helpers import CPU_BACKENDS
 
 
-# The files whose tests run longest (they start processes, or compile whole
-# models), measured with --durations: collected first, so that xdist's
-# workers start them at once and finish the run on the short tests instead
-# of waiting on one of these at the end (the order is the files' otherwise).
-LONG_FIRST = ("test_fsdp2_tensor_parallel.py", "test_bench.py", "test_tensor_parallel.py",
-              "test_exit.py", "test_fsdp2.py", "test_dtensor.py", "test_readme.py",
-              "test_torch_compat.py", "test_distributed.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    def rank(item):
-        name = item.path.name
-        return LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
-
-    items.sort(key=rank)  # stable: each file's own order kept
-
-
 @pytest.fixture(autouse=True)
 def _seed(request):
     """Fresh random data per test, reproducible from the test's name."""

@@ -91,11 +91,11 @@ def kernel_calls(info) -> list[tuple[tuple, dict]]:
     calls = []
     real = launch.compiled_kernel
 
-    def recording(op, device, inputs=(), params=None, user_function=None):
+    def recording(op, device, inputs=(), params=None, *rest):
         if op == info.name:  # not the other ops an example calls to build its inputs
             calls.append((tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."))
                                 for t in inputs), dict(params or {})))
-        return real(op, device, inputs, params, user_function)
+        return real(op, device, inputs, params, *rest)
 
     launch.compiled_kernel = recording
     try:

@@ -374,8 +374,9 @@ def _vocabulary_split(input, weight, bias, label_smoothing, softcap) -> int | No
     split = [i for i, p in enumerate(weight.placements) if p != Replicate()]
     if len(split) != 1 or weight.placements[split[0]] != Shard(0):
         return None
-    if bias is not None and tuple(bias.placements) != tuple(weight.placements):
-        return None
+    if bias is not None and (not checks.is_dtensor(bias)
+                             or tuple(bias.placements) != tuple(weight.placements)):
+        return None  # (a plain bias beside a DTensor weight: DTensor refuses it, as for torch's)
     return split[0]
 
 

@@ -247,7 +247,7 @@ def run(
                         wrap=torch.library.wrap_triton, **execution)
     signature = call_signature(op, device, inputs, params or {}, user_function)
     if user_function is None:  # a shipped op's repeated call: straight to its kernel
-        ready = _ready.get(signature, compile_cache.compiled.generation)
+        ready = _ready.get(signature)
         if ready is not None:
             return ready(*inputs)
     backend, kernel, key = compiled_kernel(op, device, inputs, params, user_function, signature)
@@ -258,7 +258,7 @@ def run(
             return _run_compiled(kernel, *inputs)
         call = _cpu_call(kernel, inputs)
         if user_function is None and backends.choice_is_stable(backend, device):
-            _ready.put(signature, compile_cache.compiled.generation, call)
+            _ready.put(signature, call)
         return call(*inputs)
     arrays = [bridge.to_kernel_argument(t) for t in inputs]
     _, _, _, avals, _, detect_races = key[:6]
@@ -310,12 +310,13 @@ class _ReadyCalls:
         self._calls: dict[tuple, Callable] = {}
         self._generation = compile_cache.compiled.generation
 
-    def get(self, signature: tuple, generation: int) -> Callable | None:
-        if generation != self._generation:
+    def get(self, signature: tuple) -> Callable | None:
+        if compile_cache.compiled.generation != self._generation:
             return None
         return self._calls.get(signature)
 
-    def put(self, signature: tuple, generation: int, call: Callable) -> None:
+    def put(self, signature: tuple, call: Callable) -> None:
+        generation = compile_cache.compiled.generation
         if generation != self._generation or len(self._calls) >= compile_cache.MAX_ENTRIES:
             self._calls = {}
             self._generation = generation

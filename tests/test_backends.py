@@ -3,6 +3,9 @@ clear errors for a backend that cannot serve a call."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 import torch
 
@@ -32,6 +35,46 @@ def test_environment_variable_overrides(monkeypatch):
     assert backends.select(torch.device("cpu"), "op").name == "mosaic_gpu_interpret"
     x, y = torch.randn(10), torch.randn(10)
     torch.testing.assert_close(torch.ops.pallas.add(x, y), x + y)
+
+
+def test_the_environment_variable_is_read_at_each_call(monkeypatch):
+    """requested() reads os.environ as it is at the call (its one-lookup
+    reader included): a value set, changed or removed between two calls
+    counts at the next, as os.environ.get would see it, and an op call
+    keys its kernel by it."""
+    x, y = torch.randn(3, 7), torch.randn(7)
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    assert backends.requested() is None
+    for value in ("tpu_interpret", "mosaic_gpu_interpret", "intérprete"):
+        monkeypatch.setenv(backends.ENV_VAR, value)
+        assert backends.requested() == value == os.environ.get(backends.ENV_VAR)
+    monkeypatch.setenv(backends.ENV_VAR, "tpu_interpret")
+    with requests_seen() as seen:
+        torch.testing.assert_close(torch.ops.pallas.add(x, y), x + y)
+    assert seen == ["tpu_interpret"]
+    monkeypatch.delenv(backends.ENV_VAR)
+    assert backends.requested() is None
+    with requests_seen() as seen:
+        torch.testing.assert_close(torch.ops.pallas.add(x, y), x + y)
+    assert seen == [None]
+
+
+@contextlib.contextmanager
+def requests_seen():
+    """The requested backend each launch inside the block keys its kernel
+    by (its call signature's), in order."""
+    seen, original = [], launch.call_signature
+
+    def spy(*args, **kwargs):
+        signature = original(*args, **kwargs)
+        seen.append(signature[2])
+        return signature
+
+    launch.call_signature = spy
+    try:
+        yield seen
+    finally:
+        launch.call_signature = original
 
 
 def test_unknown_backend_is_named():

@@ -255,6 +255,9 @@ def test_a_kernel_registered_for_the_device_takes_over_with_and_without_grad():
         torch.testing.assert_close(torch.ops.usertest.doubled(x.requires_grad_()), x * 3)
     finally:
         override._destroy()
+    with torch.no_grad():  # the registration gone, the op's own kernel again
+        torch.testing.assert_close(torch.ops.usertest.doubled(x), x * 2)
+    torch.testing.assert_close(torch.ops.usertest.doubled(x), x * 2)
 
 
 def test_static_and_interpret_parameters_may_come_before_the_tensors():

@@ -198,3 +198,92 @@ def test_add_runs_its_kernel_straight_without_gradients_and_through_autograd_wit
     out = torch_pallas.add(x, y)
     out.backward(torch.ones_like(out))
     assert out.grad_fn is not None and torch.equal(x.grad, torch.full_like(x, 5.0))
+
+
+FACTORIES = {"fill": (torch.ops.pallas.fill.default, ((37,), 1.25), torch.full),
+             "iota": (torch.ops.pallas.iota.default, (37,), None)}
+
+
+@pytest.fixture
+def counted_factory(monkeypatch, request):
+    """A direct caller of a factory op (fill, iota) whose short cut counts
+    its calls."""
+    op = FACTORIES[request.param][0]
+    calls = []
+    kernel = registration._kernels[op.name()]
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setitem(registration._kernels, op.name(), counting)
+    return request.param, registration.direct_caller(op), calls
+
+
+def _factory_reference(name, args, dtype):
+    if name == "fill":
+        return torch.full(*args, dtype=dtype)
+    return torch.arange(*args, dtype=dtype)
+
+
+@pytest.mark.parametrize("counted_factory", FACTORIES, indirect=True)
+def test_a_factory_call_with_plain_values_takes_the_short_cut(counted_factory):
+    """fill and iota take no tensor: a size, a value, a dtype and a device
+    of the schema's own types go to the kernel as they are (the dispatcher
+    would hand them over unchanged)."""
+    name, call, calls = counted_factory
+    args = FACTORIES[name][1]
+    for kwargs in ({}, {"dtype": torch.int32, "device": torch.device("cpu")},
+                   {"dtype": None, "device": None}):
+        out = call(*args, **kwargs)
+        want = _factory_reference(name, args, kwargs.get("dtype"))
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert len(calls) == 3 * SHORT_CUTS
+
+
+@pytest.mark.parametrize("counted_factory", FACTORIES, indirect=True)
+def test_a_factory_call_the_dispatcher_would_convert_or_refuse_goes_through_it(counted_factory):
+    """A device named by a string, a float size, a dtype that is not a
+    torch.dtype, a tensor for a number: the dispatcher converts or refuses
+    these, so the call goes to it and ends as the op's own would, with the
+    same result or the same exception."""
+    name, call, calls = counted_factory
+    op, args = FACTORIES[name][:2]
+    out = call(*args, device="cpu")  # converted: a string device
+    torch.testing.assert_close(out, _factory_reference(name, args, None), rtol=0, atol=0)
+    size_as_float = ((37.0,), 1.25) if name == "fill" else (37.0,)
+    refused = [(size_as_float, {}), (args, {"dtype": "float32"})]
+    if name == "fill":
+        refused.append((((37,), torch.tensor(1.25)), {}))
+    for bad_args, kwargs in refused:
+        with pytest.raises(Exception) as through_op:
+            op(*bad_args, **kwargs)
+        with pytest.raises(type(through_op.value)) as direct:
+            call(*bad_args, **kwargs)
+        assert str(direct.value) == str(through_op.value)
+    assert calls == []
+
+
+def test_the_factories_public_functions_call_with_what_the_short_cut_takes(monkeypatch):
+    """torch_pallas.fill and torch_pallas.iota call their ops' direct callers
+    with arguments the short cut takes (the default device filled in as a
+    torch.device), and get the op's results."""
+    from torch_pallas.ops import fill as fill_op, iota as iota_op
+
+    seen = []
+    for module, op in ((fill_op, torch.ops.pallas.fill.default),
+                       (iota_op, torch.ops.pallas.iota.default)):
+        direct = registration.runs_directly(op)
+        call = module.call
+
+        def checking(*args, _call=call, _direct=direct, **kwargs):
+            seen.append(_direct is not None and _direct(*args, **kwargs))
+            return _call(*args, **kwargs)
+
+        monkeypatch.setattr(module, "call", checking)
+    value = float(torch.randn(()))
+    torch.testing.assert_close(torch_pallas.fill((3, 5), value), torch.full((3, 5), value))
+    torch.testing.assert_close(torch_pallas.fill(7, 3), torch.full((7,), 3))
+    torch.testing.assert_close(torch_pallas.iota(11, dtype=torch.int32),
+                               torch.arange(11, dtype=torch.int32))
+    assert seen == [bool(SHORT_CUTS)] * 3

@@ -39,6 +39,7 @@ problem on a private path can step around it.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -104,7 +105,7 @@ def _dispatch() -> Dispatch:
     forward_ad._current_level  # noqa: B018 (probed)
     return Dispatch(
         after_autograd=C._after_autograd_keyset,
-        has_kernel_for=C._dispatch_has_kernel_for_dispatch_key,
+        has_kernel_for=_kernel_registrations(),
         below_views=C._AutoDispatchBelowADInplaceOrView,
         # torch 2.8 on; before it, the same test in Python.
         any_requires_grad=getattr(C, "_any_requires_grad", _any_requires_grad),
@@ -112,6 +113,50 @@ def _dispatch() -> Dispatch:
         device_only=device_only,
         forward_ad_level=lambda: forward_ad._current_level,
     )
+
+
+@functools.cache  # one answer cache for both probes that use it
+def _kernel_registrations() -> Callable[[str, Any], bool]:
+    """`torch._C._dispatch_has_kernel_for_dispatch_key(op name, key)`, asked
+    again only when a registration may have changed its answer. The
+    dispatcher's lookup by name costs 1.5 us (about 6 inside a small op's
+    call, 2-core CPU), which a plain call would pay on every run. What can
+    change it: a torch.library registration (`Library.impl`,
+    `torch.library.impl`, `register_kernel`), which torch.library records
+    as "namespace/op/Key" in its `_impls` set and removes when its Library
+    is destroyed, and a C++ library loaded by `torch.ops.load_library`
+    (`torch.ops.loaded_libraries`). The answer is kept with both and asked
+    again when either moves. Probed on a throwaway op: a registration must
+    show in `_impls` and leave it when destroyed."""
+    C = torch._C
+    ask, impls, loaded = C._dispatch_has_kernel_for_dispatch_key, torch.library._impls, \
+        torch.ops.loaded_libraries
+    if not isinstance(impls, set) or not isinstance(loaded, set):
+        raise TypeError("torch.library._impls / torch.ops.loaded_libraries are not sets")
+    probe = torch.library.Library("torch_pallas_probe", "FRAGMENT")
+    try:
+        probe.define("registered(Tensor x) -> Tensor")
+        probe.impl("registered", lambda x: x, "CPU")
+        shown = "torch_pallas_probe/registered/CPU" in impls
+    finally:
+        probe._destroy()
+    if not shown or "torch_pallas_probe/registered/CPU" in impls:
+        raise TypeError("torch.library._impls does not record registrations as 'ns/op/Key'")
+    known: dict[tuple, tuple] = {}  # (name, key) -> (its _impls entry, in _impls, libraries, answer)
+
+    def has_kernel_for(name: str, key) -> bool:
+        found = known.get((name, key))
+        if found is None:
+            entry = f"{name.replace('::', '/')}/{key.name}"
+        else:
+            entry, registered, libraries, answer = found
+            if (entry in impls) == registered and len(loaded) == libraries:
+                return answer
+        answer = ask(name, key)
+        known[(name, key)] = (entry, entry in impls, len(loaded), answer)
+        return answer
+
+    return has_kernel_for
 
 
 def _any_requires_grad(*args) -> bool:
@@ -190,6 +235,8 @@ class Eager(NamedTuple):
     has_cpu_kernel: Callable[[str], bool]  # op name: a kernel registered for the CPU key itself
     any_requires_grad: Callable[..., bool]  # of tensors
     default_device: Callable[[], torch.device]  # torch.get_default_device(), read fast
+    argument_kinds: Callable[[Any], tuple]  # OpOverload -> ((name, keyword-only, kind), ...)
+    frames_unwatched: Callable[[], bool]  # no Dynamo frame callback set: nothing can trace a call
 
 
 def _eager() -> Eager:
@@ -209,7 +256,7 @@ def _eager() -> Eager:
         return not (function_modes() or dispatch_modes() or transforms() or autocast()
                     or tracer() is not None or profiler() or forward_ad._current_level >= 0)
 
-    has_kernel, cpu = C._dispatch_has_kernel_for_dispatch_key, C.DispatchKey.CPU
+    has_kernel, cpu = _kernel_registrations(), C.DispatchKey.CPU
     get_default_device, cpu_device = torch.get_default_device, torch.device("cpu")
 
     def default_device() -> torch.device:
@@ -218,13 +265,33 @@ def _eager() -> Eager:
         `with torch.device(...)`), so without one it is the CPU."""
         return get_default_device() if function_modes() else cpu_device
 
+    # Dynamo's frame callback, set while torch.compile runs (and in the
+    # eager code between its graphs); its C module loads without Dynamo.
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
+
+    if eval_frame_callback() is not None:
+        raise TypeError("Dynamo's frame callback is set at import")
     if function_modes() or get_default_device() != cpu_device:  # what the rule rests on
         raise TypeError("a default device without a function mode")
     return Eager(plain_cpu_key_sets=plain, key_set=lambda t: C._dispatch_keys(t).raw_repr(),
                  unintercepted=unintercepted, below_views=C._AutoDispatchBelowADInplaceOrView,
                  has_cpu_kernel=lambda name: has_kernel(name, cpu),
                  any_requires_grad=getattr(C, "_any_requires_grad", _any_requires_grad),
-                 default_device=default_device)
+                 default_device=default_device,
+                 argument_kinds=_argument_kinds,
+                 frames_unwatched=lambda: eval_frame_callback() is None)
+
+
+def _argument_kinds(op) -> tuple:
+    """An OpOverload's arguments as (name, keyword-only, kind): the schema
+    type's kind ("TensorType", "ScalarTypeType"...), an optional's or a
+    list's with its element's ("OptionalType/TensorType",
+    "ListType/SymIntType")."""
+    def kind(t) -> str:
+        name = t.kind()
+        return f"{name}/{kind(t.getElementType())}" if name in ("OptionalType", "ListType") else name
+
+    return tuple((a.name, a.kwarg_only, kind(a.real_type)) for a in op._schema.arguments)
 
 
 EAGER: Eager | None = _probe("eager_direct", _eager)

@@ -89,12 +89,17 @@ def _dynamo_kept_out(fn: Callable) -> Callable:
     when a compiled region reaches it (torch.compiler.disable). Until
     something imports Dynamo no compiled region can exist, and `fn` runs as
     it is: wrapping it at once imported Dynamo at a process's first op call
-    (1.4 s on the 2-core CPU)."""
+    (1.4 s on the 2-core CPU). Nor while Dynamo's frame callback is unset
+    (torch_compat.EAGER.frames_unwatched: no compiled function is running),
+    where the wrapper would cost a small call 3 us (a process that imported
+    transformers has imported Dynamo)."""
     disabled = None
+    eager = torch_compat.EAGER
+    unwatched = eager.frames_unwatched if eager is not None else lambda: False
 
     def call(*args, **kwargs):
         nonlocal disabled
-        if "torch._dynamo" not in sys.modules:
+        if "torch._dynamo" not in sys.modules or unwatched():
             return fn(*args, **kwargs)
         if disabled is None:
             disabled = torch.compiler.disable(fn)
@@ -125,7 +130,7 @@ def direct_caller(op) -> Callable:
     below_views = torch_compat.EAGER.below_views
 
     def call(*args, **kwargs):
-        if not direct(*args):  # Dynamo traces this branch alone (direct is False while compiling)
+        if not direct(*args, **kwargs):  # Dynamo traces this branch alone (False while compiling)
             return op(*args, **kwargs)
         with below_views():
             return kernel(*args, **kwargs)
@@ -134,13 +139,15 @@ def direct_caller(op) -> Callable:
 
 
 def runs_directly(op) -> Callable[..., bool] | None:
-    """For a `define`d op's OpOverload, a predicate on a call's positional
-    tensors: whether the dispatcher would hand `op(*args)` to nothing but
-    the op's kernel, which a caller may then run straight (under
-    torch_compat.EAGER.below_views, as the dispatcher would). That is a
-    plain eager call needing no gradient, on CPU tensors (of type
-    torch.Tensor or nn.Parameter, strided, with no conjugate or other extra
-    dispatch key; inference tensors too), with nothing intercepting it (no
+    """For a `define`d op's OpOverload, a predicate on a call's arguments:
+    whether the dispatcher would hand `op(*args, **kwargs)` to nothing but
+    the op's kernel, and hand it the arguments as they are, which a caller
+    may then run straight (under torch_compat.EAGER.below_views, as the
+    dispatcher would). That is a plain eager call needing no gradient, on
+    CPU tensors (of type torch.Tensor or nn.Parameter, strided, with no
+    conjugate or other extra dispatch key; inference tensors too) and
+    values of the types the schema names (_DIRECT_KINDS: a factory's size,
+    value, dtype and device), with nothing intercepting it (no
     Dynamo trace, and torch_compat.EAGER.unintercepted: no mode, functorch
     transform, autocast, JIT trace, profiler or forward-AD level) and no
     kernel registered for the CPU key itself. None without torch's
@@ -152,21 +159,70 @@ def runs_directly(op) -> Callable[..., bool] | None:
         return None
     plain, key_set = eager.plain_cpu_key_sets, eager.key_set
     unintercepted, has_cpu_kernel = eager.unintercepted, eager.has_cpu_kernel
-    plain_types = (torch.Tensor, torch.nn.Parameter)
+    slots = _direct_slots(eager.argument_kinds(op))
+    if slots is None:
+        return None
+    positional, keywords = slots
+    plain_types, sequences = (torch.Tensor, torch.nn.Parameter), (tuple, list, torch.Size)
     compiling, grad_enabled, any_requires_grad = (torch.compiler.is_compiling, torch.is_grad_enabled,
                                                   eager.any_requires_grad)
 
-    def direct(*args) -> bool:
+    def direct(*args, **kwargs) -> bool:
         if compiling():  # first: what Dynamo traces is this branch alone
             return False
-        for a in args:
-            if type(a) not in plain_types or key_set(a) not in plain:
+        if len(args) > len(positional):
+            return False
+        for a, taken in zip(args, positional):
+            kind = type(a)
+            if kind in plain_types:
+                if TENSOR not in taken or key_set(a) not in plain:
+                    return False
+            elif kind not in taken and not (
+                    INTS in taken and kind in sequences and all(type(s) is int for s in a)):
+                return False
+        for keyword, value in kwargs.items():
+            if type(value) not in keywords.get(keyword, ()):
                 return False
         if grad_enabled() and any_requires_grad(*args):
             return False
         return unintercepted() and not has_cpu_kernel(name)
 
     return direct
+
+
+# What a direct call may hand an op's kernel as it is, by schema kind, the
+# dispatcher's conversions being no-ops on it: the Python types taken.
+# Anything else (a number for a Tensor, a float for an int, a string for a
+# Device) goes through the dispatcher, which converts or refuses it as it
+# always has. TENSOR stands for a plain CPU tensor (the key set checked).
+TENSOR = object()
+_DIRECT_KINDS = {
+    "TensorType": {TENSOR}, "IntType": {int}, "SymIntType": {int}, "FloatType": {float},
+    "BoolType": {bool}, "NumberType": {int, float, bool}, "ScalarTypeType": {torch.dtype},
+    "DeviceObjType": {torch.device},
+}
+INTS = object()  # a tuple, list or torch.Size of ints
+
+
+def _direct_slots(kinds) -> tuple[tuple, dict] | None:
+    """(for each positional argument, for each keyword-only one by name)
+    the types a direct call takes there (_DIRECT_KINDS), or None where an
+    argument's kind is none of those."""
+    positional, keywords = [], {}
+    for name, keyword_only, kind in kinds:
+        optional = kind.startswith("OptionalType/")
+        kind = kind.removeprefix("OptionalType/")
+        if kind in ("ListType/IntType", "ListType/SymIntType"):
+            taken = {INTS}
+        elif kind in _DIRECT_KINDS:
+            taken = set(_DIRECT_KINDS[kind])
+        else:
+            return None
+        if optional:
+            taken.add(type(None))
+        (keywords.__setitem__(name, frozenset(taken)) if keyword_only
+         else positional.append(frozenset(taken)))
+    return tuple(positional), keywords
 
 
 def define_composite(name: str, schema: str, implementation: Callable):

@@ -35,15 +35,23 @@ def qualified_name(op: str) -> str:
 def static_key(params: Mapping[str, Any]) -> tuple:
     """The op's static parameters as a cache key. Floats are keyed by their
     bits: -0.0 == 0.0 would share a kernel, and a NaN, unequal to itself,
-    would never find its own."""
-    return tuple((name, _static_value(value)) for name, value in params.items())
+    would never find its own. (Every call computes it: loops, not
+    generators, and tuples of ints, the usual shapes, kept as they are.)"""
+    key = []
+    for item in params.items():
+        if isinstance(item[1], (float, tuple)):
+            item = (item[0], _static_value(item[1]))
+        key.append(item)
+    return tuple(key)
 
 
 def _static_value(value):
     if isinstance(value, float):
         return value.hex()
     if isinstance(value, tuple):
-        return tuple(_static_value(v) for v in value)
+        for v in value:
+            if isinstance(v, (float, tuple)):
+                return tuple([_static_value(v) for v in value])
     return value
 
 

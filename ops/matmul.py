@@ -27,7 +27,7 @@ import math
 import torch
 
 from torch_pallas.base import dtypes, torch_compat
-from torch_pallas.runtime import bridge, launch, registry, shape_buckets
+from torch_pallas.runtime import bridge, compilation, launch, registry, shape_buckets
 from torch_pallas.library import registration
 from torch_pallas.ops import checks
 
@@ -250,7 +250,8 @@ def _linear_key(input, weight):
 
 
 class _LinearPlan:
-    __slots__ = ("kernel", "input_shape", "transpose_b", "shape", "read_input", "read_weight", "export")
+    __slots__ = ("kernel", "input_shape", "transpose_b", "shape", "read_input", "read_weight",
+                 "export", "device", "weight_shape", "reshaped")
 
     @classmethod
     def of(cls, input, weight):
@@ -275,14 +276,22 @@ class _LinearPlan:
         linear.read_input = bridge.kernel_argument_maker(input.dtype)
         linear.read_weight = bridge.kernel_argument_maker(weight.dtype)
         linear.export = bridge.cpu_to_torch()
+        linear.device = compilation.input_device(kernel)
+        linear.weight_shape = tuple(b3.shape)
+        linear.reshaped = (1, *a_size[1:2], plan.shape[-1]) != tuple(plan.shape)
         return linear
 
     def run(self, input, weight):
         a = self.read_input(input).reshape(self.input_shape)  # (1, M, K)
-        b = self.read_weight(weight)
-        b = b[None] if self.transpose_b else b.T[None]
+        # The weight as it is, (N, K): a JAX array made once per weight
+        # (bridge.kept_array), unless JAX would copy it (read each call).
+        b = bridge.kept_array(weight, self.device, self.weight_shape) if self.transpose_b else None
+        if b is None:
+            b = self.read_weight(weight)
+            b = b[None] if self.transpose_b else b.T[None]
         with _below_views():
-            return self.export(self.kernel(a, b)).view(self.shape)
+            out = self.export(self.kernel(a, b))
+            return out.view(self.shape) if self.reshaped else out
 
 
 def bucket_sizes(a3, b3, transpose_a: bool, transpose_b: bool, weights=(False, False),

@@ -170,9 +170,11 @@ def test_a_no_grad_linear_call_runs_its_linear_plan_on_fresh_data(linear_plan_ru
 
 
 def test_a_linear_plan_reads_the_weight_and_input_as_they_are_at_each_call(linear_plan_runs):
-    """Nothing of a call's tensors is kept: an in-place update of the weight,
-    a weight whose data was replaced, an input that requires grad (under
-    no_grad) and an inference tensor each give their own product."""
+    """Nothing of a call's tensors is kept but the weight's crossing (a JAX
+    array over its memory), which follows it: an in-place update of the
+    weight, a weight whose data was replaced, a weight whose storage was
+    freed and allocated again (FSDP2's way), an input that requires grad
+    (under no_grad) and an inference tensor each give their own product."""
     w = torch.nn.Parameter(torch.randn(53, 37))
     with torch.no_grad():
         for _ in range(2):
@@ -181,11 +183,43 @@ def test_a_linear_plan_reads_the_weight_and_input_as_they_are_at_each_call(linea
         _check_linear(torch.randn(4, 37), w)
         w.data = torch.randn(53, 37)  # other storage, same layout: the same plan
         _check_linear(torch.randn(4, 37), w)
+        storage = w.untyped_storage()
+        size = storage.nbytes()
+        storage.resize_(0)
+        held = torch.randn(4096)  # may take the freed memory
+        storage.resize_(size)
+        w.copy_(torch.randn(53, 37))
+        _check_linear(torch.randn(4, 37), w)
         _check_linear(torch.randn(4, 37, requires_grad=True), w)
     with torch.inference_mode():
         out = _check_linear(torch.randn(4, 37), w)
         assert out.is_inference()
-    assert len(linear_plan_runs) == 5
+    assert len(linear_plan_runs) == 6 and held.isfinite().all()
+
+
+def test_a_weight_crosses_once_and_is_forgotten_with_it(linear_plan_runs):
+    """The linear plan reads a weight through one JAX array over its memory,
+    made at its first call and dropped when the weight is collected; a
+    weight JAX would have to copy (unaligned: a slice at an odd offset) is
+    read at each call instead, and every product is exact."""
+    import gc
+
+    from torch_pallas.runtime import bridge
+
+    w = torch.nn.Parameter(torch.randn(53, 37))
+    unaligned = torch.nn.Parameter(torch.randn(53 * 37 + 1)[1:].view(53, 37))
+    kept = len(bridge._kept)
+    with torch.no_grad():
+        for _ in range(3):
+            _check_linear(torch.randn(1, 1, 37), w)
+            _check_linear(torch.randn(1, 1, 37), unaligned)
+    arrays = {key[0]: entry[2] for key, entry in bridge._kept.items()}
+    assert arrays[id(w)].unsafe_buffer_pointer() == w.data_ptr()
+    assert arrays[id(unaligned)] is None
+    assert len(linear_plan_runs) == 5 and len(bridge._kept) == kept + 2  # one plan for both
+    del w, unaligned, arrays
+    gc.collect()
+    assert len(bridge._kept) == kept
 
 
 def test_linear_calls_outside_a_linear_plan_take_the_op(linear_plan_runs):

@@ -116,12 +116,14 @@ def _batch(query, key, value, enable_gqa):
     """(outer batch shape, query heads, key/value heads): the dimensions
     before the head axis broadcast; heads broadcast too unless GQA."""
     shapes = [t.shape[:-3] for t in (query, key, value)]
+    hq, hk, hv = _heads(query), _heads(key), _heads(value)
     try:
-        outer = torch.broadcast_shapes(*shapes)
-        hq, hk, hv = _heads(query), _heads(key), _heads(value)
+        # torch.broadcast_shapes only where they differ: it costs 15 us.
+        same = shapes[0] == shapes[1] == shapes[2]
+        outer = shapes[0] if same else torch.broadcast_shapes(*shapes)
         if enable_gqa:
             return outer, hq, hk
-        heads = torch.broadcast_shapes((hq,), (hk,), (hv,))[0]
+        heads = hq if hq == hk == hv else torch.broadcast_shapes((hq,), (hk,), (hv,))[0]
     except RuntimeError:
         raise checks.RefusedLikeTorch(
             f"{OP}: the batch dimensions of query.shape={tuple(query.shape)}, "
@@ -134,7 +136,10 @@ def _batch(query, key, value, enable_gqa):
 
 def _canonical(t: torch.Tensor, outer, heads: int) -> torch.Tensor:
     """`t` as (B, heads, length, dim): a broadcast materialised, nothing
-    copied otherwise."""
+    copied otherwise; `t` itself where it has that shape (SDPA's usual
+    call: each view is a dispatcher call, several us of a decode step)."""
+    if t.dim() == 4 and len(outer) == 1 and t.shape[0] == outer[0] and t.shape[1] == heads:
+        return t
     t = t.reshape((1,) * (len(outer) + 3 - t.dim()) + tuple(t.shape))
     return t.expand(*outer, heads, *t.shape[-2:]).reshape(math.prod(outer), heads, *t.shape[-2:])
 
@@ -175,12 +180,13 @@ def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
     if attn_mask is not None:
         mask = _canonical_mask(attn_mask, query.dtype, outer, heads, length, kv_length)
     if dropout_p > 0:
-        out, _ = torch.ops.pallas.attention_forward(q, k, v, mask, scale, bool(is_causal),
-                                                    float(dropout_p), dropout_seed(query.device))
+        out, _ = _forward(q, k, v, mask, scale, bool(is_causal), float(dropout_p),
+                          dropout_seed(query.device))
     else:
-        out, _ = torch.ops.pallas.attention_forward(q, k, v, mask, scale, bool(is_causal))
+        out, _ = _forward(q, k, v, mask, scale, bool(is_causal))
     has_heads = max(query.dim(), key.dim(), value.dim()) >= 3
-    return out.reshape(*outer, *((heads,) if has_heads else ()), length, value_dim)
+    shape = (*outer, *((heads,) if has_heads else ()), length, value_dim)
+    return out if out.shape == shape else out.reshape(shape)
 
 
 # --- the forward op --------------------------------------------------------
@@ -223,12 +229,12 @@ def forward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor | None, scale: float, is_causal: bool,
                            dropout_p: float = 0.0, seed: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _forward_fake(q, k, v, mask, scale, is_causal)
     dropping = _dropout_operands(q, dropout_p, seed, "pallas::attention_forward")
-    if out.numel() == 0:
+    if q.shape[:3].numel() * v.shape[-1] == 0 or k.shape[2] == 0:
+        out, lse = _forward_fake(q, k, v, mask, scale, is_causal)
+        if k.shape[2] == 0:  # no keys: every row sees nothing
+            out.zero_()
         return out, lse.fill_(float("inf"))
-    if k.shape[2] == 0:  # no keys: every row sees nothing
-        return out.zero_(), lse.fill_(float("inf"))
     inputs = (q, k, v) + (() if mask is None else (mask,)) + dropping
     return launch.run("attention", q.device, inputs, _params(scale, is_causal, dropout_p))
 
@@ -289,6 +295,8 @@ registration.define(
     "pallas::attention_forward", forward_implementation, fake=_forward_fake,
     backward=_backward, setup_context=_setup_context, flops=_forward_flops,
 )
+# torch.ops.pallas.attention_forward, skipping the dispatcher on plain eager calls.
+_forward = registration.direct_caller(torch.ops.pallas.attention_forward.default)
 
 
 def _autocast_call(device_type: str, q, k, v, mask, scale, is_causal, dropout_p=0.0,
@@ -349,14 +357,15 @@ registration.define(
 
 # --- the composite, SDPA's signature ---------------------------------------
 
-registration.library("pallas").define(
-    "attention(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
+registration.define_composite(
+    "pallas::attention",
+    "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
     "float dropout_p=0.0, bool is_causal=False, *, float? scale=None, "
     "bool enable_gqa=False) -> Tensor",
-    tags=(torch.Tag.pt2_compliant_tag,),
+    attention_implementation,
 )
-registration.library("pallas").impl("attention", attention_implementation,
-                                    "CompositeImplicitAutograd")
+# torch.ops.pallas.attention, its implementation run straight on plain eager calls.
+_call = registration.direct_caller(torch.ops.pallas.attention.default)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -367,8 +376,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention kernels: same arguments, same results (float32 softmax
     statistics), differentiable (FlashAttention-2's backward), with SDPA's
     dropout when `dropout_p > 0` (the mask drawn from torch's generator)."""
-    return torch.ops.pallas.attention(query, key, value, attn_mask, dropout_p, is_causal,
-                                      scale=scale, enable_gqa=enable_gqa)
+    return _call(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                 enable_gqa=enable_gqa)
 
 
 def attention_backward(q, k, v, out, grad_out, lse, mask=None, scale=None, is_causal=False,

@@ -175,5 +175,12 @@ def merged_normalized(input: torch.Tensor, normalized_shape) -> torch.Tensor:
 
 def as_rows(x: torch.Tensor) -> torch.Tensor:
     """x (..., N) as the rows (R, N) a row-wise kernel reads (a copy only
-    where the layout needs one)."""
-    return x.reshape(-1, x.shape[-1])
+    where the layout needs one); x itself when it has two dimensions."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+
+
+def shaped(t: torch.Tensor, shape) -> torch.Tensor:
+    """A kernel's fresh result `t` viewed as `shape`, or `t` itself where it
+    has that shape already: a view is a dispatcher call, several us of a
+    decode step's small call."""
+    return t if t.shape == shape else t.view(shape)

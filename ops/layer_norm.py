@@ -43,10 +43,14 @@ def layer_norm_implementation(input, normalized_shape, weight=None, bias=None, e
     _check(input, normalized_shape, weight, bias)
     n = math.prod(normalized_shape)
     x = checks.merged_normalized(input, normalized_shape)
-    weight = input.new_ones(n) if weight is None else weight.reshape(n)
-    bias = input.new_zeros(n) if bias is None else bias.reshape(n)
-    out, _, _ = torch.ops.pallas.layer_norm_forward(x, weight, bias, float(eps))
-    return out.reshape(input.shape)
+    weight = input.new_ones(n) if weight is None else _flat(weight, n)
+    bias = input.new_zeros(n) if bias is None else _flat(bias, n)
+    out, _, _ = _forward(x, weight, bias, float(eps))
+    return out if out.shape == input.shape else out.reshape(input.shape)
+
+
+def _flat(parameter: torch.Tensor, n: int) -> torch.Tensor:
+    return parameter if parameter.dim() == 1 else parameter.reshape(n)
 
 
 # --- the forward op, rows along the last dimension ---------------------------
@@ -63,7 +67,7 @@ def forward_implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     out, mean, rstd = launch.run("layer_norm", x.device, (checks.as_rows(x), weight, bias),
                                  {"eps": float(eps)})
     stats = x.shape[:-1]
-    return out.view(x.shape), mean.view(stats), rstd.view(stats)
+    return checks.shaped(out, x.shape), checks.shaped(mean, stats), checks.shaped(rstd, stats)
 
 
 def _setup_context(ctx, inputs, output):
@@ -88,6 +92,8 @@ registration.define(
     "pallas::layer_norm_forward", forward_implementation, fake=_forward_fake,
     backward=_backward, setup_context=_setup_context,
 )
+# torch.ops.pallas.layer_norm_forward, skipping the dispatcher on plain eager calls.
+_forward = registration.direct_caller(torch.ops.pallas.layer_norm_forward.default)
 
 
 # --- the backward op ---------------------------------------------------------
@@ -123,6 +129,10 @@ registration.define_composite(
 )
 
 
+# torch.ops.pallas.layer_norm, its implementation run straight on plain eager calls.
+_call = registration.direct_caller(torch.ops.pallas.layer_norm.default)
+
+
 def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
     """`torch.nn.functional.layer_norm` on the Pallas kernels: same
@@ -130,7 +140,7 @@ def layer_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | Non
     weight and bias."""
     if isinstance(normalized_shape, (int, torch.SymInt)):
         normalized_shape = (normalized_shape,)
-    return torch.ops.pallas.layer_norm(input, list(normalized_shape), weight, bias, eps)
+    return _call(input, list(normalized_shape), weight, bias, eps)
 
 
 def layer_norm_backward(grad_out, x, mean, rstd, weight):

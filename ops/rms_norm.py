@@ -46,9 +46,9 @@ def rms_norm_implementation(input, normalized_shape, weight=None, eps=None):
     eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
     n = math.prod(normalized_shape)
     x = checks.merged_normalized(input, normalized_shape)
-    flat_weight = None if weight is None else weight.reshape(n)
-    out, _ = torch.ops.pallas.rms_norm_forward(x, flat_weight, eps)
-    return out.reshape(input.shape)
+    flat_weight = weight if weight is None or weight.dim() == 1 else weight.reshape(n)
+    out, _ = _forward(x, flat_weight, eps)
+    return out if out.shape == input.shape else out.reshape(input.shape)
 
 
 # --- the forward op, rows along the last dimension ---------------------------
@@ -65,7 +65,7 @@ def forward_implementation(x: torch.Tensor, weight: torch.Tensor | None,
     rows = checks.as_rows(x)
     inputs = (rows,) if weight is None else (rows, weight)
     out, rstd = launch.run("rms_norm", x.device, inputs, {"eps": float(eps)})
-    return out.view(x.shape), rstd.view(x.shape[:-1])
+    return checks.shaped(out, x.shape), checks.shaped(rstd, x.shape[:-1])
 
 
 def _setup_context(ctx, inputs, output):
@@ -88,6 +88,8 @@ registration.define(
     "pallas::rms_norm_forward", forward_implementation, fake=_forward_fake,
     backward=_backward, setup_context=_setup_context,
 )
+# torch.ops.pallas.rms_norm_forward, skipping the dispatcher on plain eager calls.
+_forward = registration.direct_caller(torch.ops.pallas.rms_norm_forward.default)
 
 
 # --- the backward op ---------------------------------------------------------
@@ -123,13 +125,17 @@ registration.define_composite(
 )
 
 
+# torch.ops.pallas.rms_norm, its implementation run straight on plain eager calls.
+_call = registration.direct_caller(torch.ops.pallas.rms_norm.default)
+
+
 def rms_norm(input: torch.Tensor, normalized_shape, weight: torch.Tensor | None = None,
              eps: float | None = None) -> torch.Tensor:
     """`torch.nn.functional.rms_norm` on the Pallas kernels: same arguments,
     same values (float32 statistics), differentiable in input and weight."""
     if isinstance(normalized_shape, (int, torch.SymInt)):
         normalized_shape = (normalized_shape,)
-    return torch.ops.pallas.rms_norm(input, list(normalized_shape), weight, eps)
+    return _call(input, list(normalized_shape), weight, eps)
 
 
 def rms_norm_backward(grad_out, x, rstd, weight=None):

@@ -70,6 +70,8 @@ class Plan:
         (n1, n2), heads, d = self.tokens, x.shape[self.head_axis], x.shape[-1]
         if self.heads_inner:
             return x.movedim(self.head_axis, -2).contiguous().view(n1, heads, n2, d)
+        if x.shape == (n1, heads, n2, d) and x.is_contiguous():
+            return x  # as the kernel reads it (a decode step's q and k): no view to make
         return x.contiguous().view(n1, heads, n2, d)
 
     def result(self, out: torch.Tensor, shape) -> torch.Tensor:
@@ -79,7 +81,7 @@ class Plan:
             moved = (*shape[:self.head_axis], *shape[self.head_axis + 1:-1],
                      shape[self.head_axis], shape[-1])
             return out.view(moved).movedim(-2, self.head_axis)
-        return out.view(shape)
+        return checks.shaped(out, shape)
 
     def empty(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What `result` makes of a kernel's result for `like` (q, k or a
@@ -99,6 +101,10 @@ class Plan:
     def angles(self, table: torch.Tensor, shape) -> torch.Tensor:
         """cos or sin as (N1, N2, D), contiguous: unsqueezed at the head
         axis, broadcast to `shape` (q's) without its heads."""
+        if table.shape == (*self.tokens, shape[-1]) and table.is_contiguous():
+            # Unsqueezing and expanding to as many elements, then reshaping
+            # to its own shape, keeps every element where it is.
+            return table
         unsqueezed = table.reshape(broadcast_shape(table, self.head_axis, len(shape)))
         expanded = unsqueezed.expand(*shape[:self.head_axis], 1, *shape[self.head_axis + 1:])
         return expanded.reshape(*self.tokens, shape[-1]).contiguous()
@@ -282,12 +288,16 @@ def angle_gradients(grad_q, grad_k, q, k, cos, unsqueeze_dim):
     return tuple(t.sum_to_size(shape).reshape(cos.shape).to(cos.dtype) for t in (dcos, dsin))
 
 
+# torch.ops.pallas.rotary_embedding, skipping the dispatcher on plain eager calls.
+_call = registration.direct_caller(torch.ops.pallas.rotary_embedding.default)
+
+
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_embed, k_embed): transformers' `apply_rotary_pos_emb(q, k, cos,
     sin, unsqueeze_dim=unsqueeze_dim)` fused (float32 inside, rounded
     once); differentiable in q, k, cos and sin."""
-    return torch.ops.pallas.rotary_embedding(q, k, cos, sin, unsqueeze_dim)
+    return _call(q, k, cos, sin, unsqueeze_dim)
 
 
 def rotary_embedding_backward(grad_q, grad_k, cos, sin, unsqueeze_dim=1, q=None, k=None):

@@ -78,10 +78,14 @@ def _backward_fake(grad_out, gate, up):
 registration.define("pallas::swiglu_backward", backward_implementation, fake=_backward_fake)
 
 
+# torch.ops.pallas.swiglu, skipping the dispatcher on plain eager calls.
+_call = registration.direct_caller(torch.ops.pallas.swiglu.default)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """`F.silu(gate) * up`, fused: float32 inside, rounded once;
     differentiable in both."""
-    return torch.ops.pallas.swiglu(gate, up)
+    return _call(gate, up)
 
 
 def swiglu_backward(grad_out, gate, up):

@@ -287,3 +287,62 @@ def test_the_factories_public_functions_call_with_what_the_short_cut_takes(monke
     torch.testing.assert_close(torch_pallas.iota(11, dtype=torch.int32),
                                torch.arange(11, dtype=torch.int32))
     assert seen == [bool(SHORT_CUTS)] * 3
+
+
+# --- composites: the ops whose implementation is other ops -------------------
+
+def _composite_calls():
+    """(name, composite OpOverload, call arguments (fresh, ragged), float64
+    reference of the call)."""
+    import torch.nn.functional as F
+
+    x, w = torch.randn(3, 5, 37), torch.rand(37) + 0.5
+    yield ("rms_norm", torch.ops.pallas.rms_norm.default, (x, [37], w, 1e-6),
+           lambda x, s, w, eps: F.rms_norm(x.double(), s, w.double(), eps))
+    b = torch.randn(37)
+    yield ("layer_norm", torch.ops.pallas.layer_norm.default, (x, [37], w, b, 1e-5),
+           lambda x, s, w, b, eps: F.layer_norm(x.double(), s, w.double(), b.double(), eps))
+    q, k, v = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 13, 16), torch.randn(2, 2, 13, 16)
+    yield ("attention", torch.ops.pallas.attention.default, (q, k, v, None, 0.0, False),
+           lambda q, k, v, *rest: F.scaled_dot_product_attention(
+               q.double(), k.double(), v.double(), enable_gqa=True))
+
+
+COMPOSITES = {name: rest for name, *rest in _composite_calls()}
+
+
+@pytest.mark.parametrize("name", COMPOSITES)
+def test_a_composite_runs_its_implementation_straight_with_or_without_gradients(
+        monkeypatch, name):
+    """A composite's direct caller runs its implementation as the dispatcher
+    would (above autograd): on plain tensors with or without gradients, the
+    same values and gradients as the op through torch.ops; under a dispatch
+    mode it goes to the dispatcher, whose decomposition the mode sees."""
+    op, args, reference = COMPOSITES[name]
+    kwargs = {"enable_gqa": True} if name == "attention" else {}
+    implementation = registration._composites[op.name()]
+    calls = []
+
+    def counting(*a, **k):
+        calls.append(a)
+        return implementation(*a, **k)
+
+    monkeypatch.setitem(registration._composites, op.name(), counting)
+    call = registration.direct_caller(op)
+    want = reference(*args)
+    with torch.no_grad():
+        torch.testing.assert_close(call(*args, **kwargs).double(), want, rtol=1e-5, atol=1e-5)
+    inputs = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+    out = call(*inputs, **kwargs)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, [a for a in inputs if isinstance(a, torch.Tensor)], grad)
+    through_op = op(*inputs, **kwargs)
+    expected = torch.autograd.grad(through_op, [a for a in inputs if isinstance(a, torch.Tensor)],
+                                   grad)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2 * SHORT_CUTS  # torch.ops runs the registered implementation
+    with torch.no_grad(), Recording() as mode:
+        torch.testing.assert_close(call(*args, **kwargs).double(), want, rtol=1e-5, atol=1e-5)
+    assert any(f.name().startswith("pallas::") for f in mode.calls)
+    assert len(calls) == 2 * SHORT_CUTS

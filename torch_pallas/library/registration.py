@@ -110,22 +110,35 @@ def _dynamo_kept_out(fn: Callable) -> Callable:
 
 _libraries: dict[str, torch.library.Library] = {}
 _kernels: dict[str, Callable] = {}  # op name -> its kernel for every device
+_composites: dict[str, Callable] = {}  # composite op name -> its implementation
 
 
 def direct_caller(op) -> Callable:
-    """A function calling `op` (a `define`d op's OpOverload) as `op(*args,
-    **kwargs)` does, its tensors positional (keyword arguments are never
-    tensors: a factory's dtype and device), which runs the op's kernel
-    straight where `runs_directly(op)` allows it. Every other call goes
+    """A function calling `op` (a `define`d or `define_composite`d op's
+    OpOverload) as `op(*args, **kwargs)` does, its tensors positional
+    (keyword arguments are never tensors: a factory's dtype and device),
+    which runs the op's kernel straight where `runs_directly(op)` allows
+    it: a composite's implementation as the dispatcher would run it (above
+    autograd), a defined op's kernel below autograd. Every other call goes
     through `op`; without torch's internals (torch_compat's eager_direct
     probe) this is `op` itself.
 
     It skips the dispatcher's boxing and the op's Autograd kernel: 8-10 us
     of a small call on the 2-core CPU (the checks cost ~2), which a decode
-    step pays once per linear layer."""
+    step pays once per linear layer; 12 us more for a composite (a norm,
+    attention) over its forward op, each call of a decode step."""
     direct = runs_directly(op)
     if direct is None:
         return op
+    if op.name() in _composites:
+        implementation = _composites[op.name()]
+
+        def call_composite(*args, **kwargs):
+            if not direct(*args, **kwargs):
+                return op(*args, **kwargs)
+            return implementation(*args, **kwargs)
+
+        return call_composite
     kernel = _kernels[op.name()]
     below_views = torch_compat.EAGER.below_views
 
@@ -150,13 +163,16 @@ def runs_directly(op) -> Callable[..., bool] | None:
     value, dtype and device), with nothing intercepting it (no
     Dynamo trace, and torch_compat.EAGER.unintercepted: no mode, functorch
     transform, autocast, JIT trace, profiler or forward-AD level) and no
-    kernel registered for the CPU key itself. None without torch's
-    internals (torch_compat's eager_direct probe): every call must go
-    through `op`."""
+    kernel registered for the CPU key itself. For a composite
+    (`define_composite`) a call needing gradients is one too: the
+    dispatcher runs its implementation above autograd either way. None
+    without torch's internals (torch_compat's eager_direct probe): every
+    call must go through `op`."""
     eager = torch_compat.EAGER
     name = op.name()
-    if eager is None or name not in _kernels:
+    if eager is None or name not in _kernels and name not in _composites:
         return None
+    differentiates = name in _composites  # autograd records the implementation's ops
     plain, key_set = eager.plain_cpu_key_sets, eager.key_set
     unintercepted, has_cpu_kernel = eager.unintercepted, eager.has_cpu_kernel
     slots = _direct_slots(eager.argument_kinds(op))
@@ -183,7 +199,7 @@ def runs_directly(op) -> Callable[..., bool] | None:
         for keyword, value in kwargs.items():
             if type(value) not in keywords.get(keyword, ()):
                 return False
-        if grad_enabled() and any_requires_grad(*args):
+        if not differentiates and grad_enabled() and any_requires_grad(*args):
             return False
         return unintercepted() and not has_cpu_kernel(name)
 
@@ -235,6 +251,7 @@ def define_composite(name: str, schema: str, implementation: Callable):
     lib = library(namespace)
     lib.define(opname + schema, tags=(torch.Tag.pt2_compliant_tag,))
     lib.impl(opname, implementation, "CompositeImplicitAutograd")
+    _composites[name] = implementation
     return getattr(getattr(torch.ops, namespace), opname)
 
 

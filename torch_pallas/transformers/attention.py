@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-# Registers torch.ops.pallas.attention, which attention_forward calls.
-from torch_pallas.ops import attention as _attention  # noqa: F401
+# torch.ops.pallas.attention's public function (its direct path on plain eager calls).
+from torch_pallas.ops.attention import attention as pallas_attention
 
 NAME = "pallas"
 
@@ -38,10 +38,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal,
                                                    query, key)
         is_causal = False
-    out = torch.ops.pallas.attention(
-        query, key, value, attention_mask, dropout, bool(is_causal), scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
+    out = pallas_attention(query, key, value, attention_mask, float(dropout), bool(is_causal),
+                           scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -1,10 +1,12 @@
-"""The cost of one small call: each op on a few elements against the bare
-JAX call of its own compiled kernel and against torch's counterpart, with
+"""The cost of one small call: each op on a few elements (the core ops), or
+on one token of a decode step (the training ops), against the bare JAX
+call of its own compiled kernel and against torch's counterpart, with
 where the time goes.
 
 For each op the test times, round by round in one process (interleaved, so
 that every figure shares the machine's load):
-- `torch`: torch's counterpart (torch.add, torch.full, torch.arange, torch.mm);
+- `torch`: torch's counterpart (torch.add, torch.full, torch.arange,
+  torch.mm, F.rms_norm, silu(gate) * up, transformers' rotary, SDPA);
 - `bare`: the compiled kernel the op runs, called on NumPy views of the same
   tensors prepared once (what a JAX program pays, minus its own dispatch);
 - `launch`: torch_pallas.runtime.launch.run with the op's kernel parameters:
@@ -26,6 +28,7 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import torch_pallas
 from conftest import record
@@ -35,6 +38,23 @@ from torch_pallas.runtime import bridge, launch
 N = 64
 x, y = torch.randn(N), torch.randn(N)
 a, b = torch.randn(8, 8), torch.randn(8, 8)
+# A decode step's calls (one token, hidden 512, 8 query heads and 4
+# key/value heads of 64, 40 cached keys; gate/up 1376): what a generating
+# model patched by torch_pallas.transformers.apply calls per layer.
+hidden, norm_weight = torch.randn(1, 1, 512), torch.rand(512) + 0.5
+gate, up = torch.randn(1, 1, 1376), torch.randn(1, 1, 1376)
+q, k_new = torch.randn(1, 8, 1, 64), torch.randn(1, 4, 1, 64)
+keys, values = torch.randn(1, 4, 40, 64), torch.randn(1, 4, 40, 64)
+cos, sin = torch.randn(1, 1, 64), torch.randn(1, 1, 64)
+
+
+def torch_rotary():
+    """transformers' apply_rotary_pos_emb."""
+    def rotated(t):
+        return torch.cat((-t[..., 32:], t[..., :32]), dim=-1)
+
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * c + rotated(q) * s, k_new * c + rotated(k_new) * s
 
 # op: (torch's call, torch.ops.pallas's call, torch_pallas's call)
 CALLS = {
@@ -47,6 +67,17 @@ CALLS = {
              lambda: torch_pallas.iota(N, dtype=torch.int32)),
     "matmul": (lambda: torch.mm(a, b), lambda: torch.ops.pallas.matmul(a, b),
                lambda: torch_pallas.matmul(a, b)),
+    "rms_norm": (lambda: F.rms_norm(hidden, (512,), norm_weight, 1e-6),
+                 lambda: torch.ops.pallas.rms_norm(hidden, [512], norm_weight, 1e-6),
+                 lambda: torch_pallas.rms_norm(hidden, (512,), norm_weight, 1e-6)),
+    "swiglu": (lambda: F.silu(gate) * up, lambda: torch.ops.pallas.swiglu(gate, up),
+               lambda: torch_pallas.swiglu(gate, up)),
+    "rotary_embedding": (torch_rotary,
+                         lambda: torch.ops.pallas.rotary_embedding(q, k_new, cos, sin),
+                         lambda: torch_pallas.rotary_embedding(q, k_new, cos, sin)),
+    "attention": (lambda: F.scaled_dot_product_attention(q, keys, values, enable_gqa=True),
+                  lambda: torch.ops.pallas.attention(q, keys, values, enable_gqa=True),
+                  lambda: torch_pallas.attention(q, keys, values, enable_gqa=True)),
 }
 ROUNDS, CALLS_PER_ROUND = (3, 20) if SMOKE else (15, 400)
 
@@ -77,6 +108,13 @@ def per_call(fn) -> float:
     return (time.perf_counter() - start) / CALLS_PER_ROUND
 
 
+def bare_call(kernel, views):
+    """The kernel's call on `views`, waited for (each of its results)."""
+    if isinstance(kernel(*views), (tuple, list)):
+        return lambda: [out.block_until_ready() for out in kernel(*views)]
+    return lambda: kernel(*views).block_until_ready()
+
+
 @pytest.mark.parametrize("name", CALLS)
 def test_small_call(benchmark, name):
     torch_call, op_call, public = CALLS[name]
@@ -85,12 +123,12 @@ def test_small_call(benchmark, name):
     views = [bridge.to_kernel_argument(t) for t in inputs]
     timed = {
         "torch": torch_call,
-        "bare": lambda: kernel(*views).block_until_ready(),
+        "bare": bare_call(kernel, views),
         "launch": lambda: launch.run(op, device, inputs, params),
         "op": op_call,
         "public": public,
     }
-    torch.testing.assert_close(public(), torch_call(), check_dtype=True)
+    torch.testing.assert_close(public(), torch_call(), check_dtype=True, rtol=1e-5, atol=1e-5)
     for fn in timed.values():  # warm: first calls build and cache
         fn()
     rounds = {what: [] for what in timed}

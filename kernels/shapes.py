@@ -1,6 +1,7 @@
-"""Sizes: block counts, rounding up to whole blocks, and the batch, M, N and K
-of a batched matmul's operands. Plain integer arithmetic (no JAX), so the
-Triton kernels share it too."""
+"""Sizes: block counts, rounding up to whole blocks, the batch, M, N and K
+of a batched matmul's operands, and a row-wise kernel's rows. Plain
+integer arithmetic and reshapes (no JAX), so the Triton kernels share it
+too."""
 
 from __future__ import annotations
 
@@ -28,3 +29,12 @@ def matmul_dims(a_shape: tuple[int, ...], b_shape: tuple[int, ...], transpose_a:
     if 1 not in (ba, bb) and ba != bb:
         raise ValueError(f"matmul: batches {ba} and {bb} must be equal or one of them 1")
     return max(ba, bb), m, n, ka
+
+
+def rows(x):
+    """x (..., N), a JAX array or a torch tensor, as the rows (R, N) a
+    row-wise kernel (the norms) reads, and its leading shape, which the
+    kernel's results take back: inside a kernel the reshapes are free,
+    where each is a dispatcher call of a small torch call outside it."""
+    lead = tuple(x.shape[:-1])
+    return x.reshape(-1, x.shape[-1]), lead

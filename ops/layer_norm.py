@@ -64,10 +64,8 @@ def forward_implementation(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if x.numel() == 0:
         return _forward_fake(x, weight, bias, eps)
-    out, mean, rstd = launch.run("layer_norm", x.device, (checks.as_rows(x), weight, bias),
-                                 {"eps": float(eps)})
-    stats = x.shape[:-1]
-    return checks.shaped(out, x.shape), checks.shaped(mean, stats), checks.shaped(rstd, stats)
+    # the kernels read x's rows themselves
+    return launch.run("layer_norm", x.device, (x, weight, bias), {"eps": float(eps)})
 
 
 def _setup_context(ctx, inputs, output):

@@ -31,6 +31,7 @@ from torch_pallas.kernels.mosaic_gpu.rms_norm import (
     weight_tile_row,
 )
 from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels import shapes
 from torch_pallas.kernels.spec import KernelSpec
 
 
@@ -89,8 +90,9 @@ def layer_norm_kernel(x_gmem, w_gmem, b_gmem, o_gmem, mean_gmem, rstd_gmem, *, n
 
 
 def layer_norm(x, weight, bias, *, eps: float, config: RowTilesConfig, interpret):
-    """(out, mean, rstd) for x (R, N), weight and bias (N,): out in x's
-    dtype, mean and rstd (R,) float32."""
+    """(out, mean, rstd) for x (..., N), weight and bias (N,): out in x's
+    shape and dtype, mean and rstd (...) float32."""
+    x, lead = shapes.rows(x)
     rows, n = x.shape
     padded_rows, padded_cols = config.padded(rows, n)
     tiles = Tiles(hardware=interpret is None, config=config)
@@ -104,7 +106,7 @@ def layer_norm(x, weight, bias, *, eps: float, config: RowTilesConfig, interpret
     )(pad_to(x, (padded_rows, padded_cols)),
       weight_tile_row(weight, config.block_rows, padded_cols),
       weight_tile_row(bias, config.block_rows, padded_cols))
-    return out[:rows, :n], mean[:rows], rstd[:rows]
+    return out[:rows, :n].reshape(*lead, n), mean[:rows].reshape(lead), rstd[:rows].reshape(lead)
 
 
 KERNEL = KernelSpec(run=layer_norm, default_config=RowTilesConfig.default)

@@ -30,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from torch_pallas.kernels.mosaic_gpu.tiles import smem_transforms
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import round_up
+from torch_pallas.kernels import shapes
 from torch_pallas.kernels.spec import KernelSpec
 
 ROW_AXIS = "rows"
@@ -167,8 +168,9 @@ def weight_tile_row(weight, rows: int, cols: int):
 
 
 def rms_norm(x, weight=None, *, eps: float, config: RowTilesConfig, interpret):
-    """(out, rstd) for x (R, N) and weight (N,) or None: out in x's dtype,
-    rstd (R,) float32."""
+    """(out, rstd) for x (..., N) and weight (N,) or None: out in x's shape
+    and dtype, rstd (...) float32."""
+    x, lead = shapes.rows(x)
     rows, n = x.shape
     padded_rows, padded_cols = config.padded(rows, n)
     inputs = [pad_to(x, (padded_rows, padded_cols))]
@@ -184,7 +186,7 @@ def rms_norm(x, weight=None, *, eps: float, config: RowTilesConfig, interpret):
         grid_names=(ROW_AXIS,),
         interpret=interpret,
     )(*inputs)
-    return out[:rows, :n], rstd[:rows]
+    return out[:rows, :n].reshape(*lead, n), rstd[:rows].reshape(lead)
 
 
 KERNEL = KernelSpec(run=rms_norm, default_config=RowTilesConfig.default)

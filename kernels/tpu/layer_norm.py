@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels import shapes
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 from torch_pallas.kernels.tpu.rms_norm import RowsConfig, row_blocks
@@ -60,8 +61,9 @@ def layer_norm_kernel(x_hbm, w_hbm, b_hbm, o_hbm, mean_hbm, rstd_hbm, *, n: int,
 
 
 def layer_norm(x, weight, bias, *, eps: float, config: RowsConfig, num_cores: int, interpret):
-    """(out, mean, rstd) for x (R, N), weight and bias (N,): out in x's
-    dtype, mean and rstd (R,) float32."""
+    """(out, mean, rstd) for x (..., N), weight and bias (N,): out in x's
+    shape and dtype, mean and rstd (...) float32."""
+    x, lead = shapes.rows(x)
     rows, n = x.shape
     padded_rows, padded_cols, block_rows = row_blocks(rows, n, config)
     params = [pad_to(p.reshape(1, n), (1, padded_cols)) for p in (weight, bias)]
@@ -73,7 +75,8 @@ def layer_norm(x, weight, bias, *, eps: float, config: RowsConfig, num_cores: in
         mesh=tensorcore_mesh(num_cores),
         interpret=interpret,
     )(pad_to(x, (padded_rows, padded_cols)), *params)
-    return out[:rows, :n], mean[:rows, 0], rstd[:rows, 0]
+    return out[:rows, :n].reshape(*lead, n), mean[:rows, 0].reshape(lead), \
+        rstd[:rows, 0].reshape(lead)
 
 
 KERNEL = KernelSpec(run=layer_norm, default_config=RowsConfig.default)

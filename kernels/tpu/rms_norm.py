@@ -26,6 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import round_up
+from torch_pallas.kernels import shapes
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 
@@ -82,8 +83,9 @@ def row_blocks(rows: int, cols: int, config: RowsConfig) -> tuple[int, int, int]
 
 
 def rms_norm(x, weight=None, *, eps: float, config: RowsConfig, num_cores: int, interpret):
-    """(out, rstd) for x (R, N) and weight (N,) or None: out in x's dtype,
-    rstd (R,) float32."""
+    """(out, rstd) for x (..., N) and weight (N,) or None: out in x's shape
+    and dtype, rstd (...) float32."""
+    x, lead = shapes.rows(x)
     rows, n = x.shape
     padded_rows, padded_cols, block_rows = row_blocks(rows, n, config)
     inputs = [pad_to(x, (padded_rows, padded_cols))]
@@ -97,7 +99,7 @@ def rms_norm(x, weight=None, *, eps: float, config: RowsConfig, num_cores: int, 
         mesh=tensorcore_mesh(num_cores),
         interpret=interpret,
     )(*inputs)
-    return out[:rows, :n], rstd[:rows, 0]
+    return out[:rows, :n].reshape(*lead, n), rstd[:rows, 0].reshape(lead)
 
 
 KERNEL = KernelSpec(run=rms_norm, default_config=RowsConfig.default)

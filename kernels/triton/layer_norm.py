@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch_pallas.kernels import shapes
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.triton import direct, interpreter_safe_dtype
 from torch_pallas.kernels.triton.rms_norm import RowConfig, rows_of, too_wide
@@ -37,8 +38,9 @@ def layer_norm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, mean_ptr, rstd_ptr, n, x_row_s
 
 
 def layer_norm(x, weight, bias, *, eps: float, config: RowConfig, wrap=direct):
-    """(out, mean, rstd) for x (R, N), weight and bias (N,): out in x's
-    dtype, mean and rstd (R,) float32."""
+    """(out, mean, rstd) for x (..., N), weight and bias (N,): out in x's
+    shape and dtype, mean and rstd (...) float32."""
+    x, lead = shapes.rows(x)
     x = rows_of(x)
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=interpreter_safe_dtype(x.dtype), device=x.device)
@@ -49,7 +51,7 @@ def layer_norm(x, weight, bias, *, eps: float, config: RowConfig, wrap=direct):
         x, weight.contiguous(), bias.contiguous(), out, mean, rstd, n, x.stride(0), out.stride(0),
         eps, BLOCK_N=block_n, num_warps=config.num_warps(block_n),
     )
-    return out.to(x.dtype), mean, rstd
+    return out.to(x.dtype).view(*lead, n), mean.view(lead), rstd.view(lead)
 
 
 KERNEL = KernelSpec(run=layer_norm, default_config=RowConfig.default, unsupported=too_wide)

@@ -12,6 +12,7 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from torch_pallas.kernels import shapes
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.triton import direct, interpreter_safe_dtype
 
@@ -63,8 +64,9 @@ def too_wide(backend: str, avals, params) -> str | None:
 
 
 def rms_norm(x, weight=None, *, eps: float, config: RowConfig, wrap=direct):
-    """(out, rstd) for x (R, N) and weight (N,) or None: out in x's dtype,
-    rstd (R,) float32."""
+    """(out, rstd) for x (..., N) and weight (N,) or None: out in x's shape
+    and dtype, rstd (...) float32."""
+    x, lead = shapes.rows(x)
     x = rows_of(x)
     rows, n = x.shape
     out = torch.empty((rows, n), dtype=interpreter_safe_dtype(x.dtype), device=x.device)
@@ -75,7 +77,7 @@ def rms_norm(x, weight=None, *, eps: float, config: RowConfig, wrap=direct):
         out.stride(0), eps, BLOCK_N=block_n, HAS_WEIGHT=weight is not None,
         num_warps=config.num_warps(block_n),
     )
-    return out.to(x.dtype), rstd
+    return out.to(x.dtype).view(*lead, n), rstd.view(lead)
 
 
 KERNEL = KernelSpec(run=rms_norm, default_config=RowConfig.default, unsupported=too_wide)

@@ -269,8 +269,6 @@ def _eager() -> Eager:
     # eager code between its graphs); its C module loads without Dynamo.
     from torch._C._dynamo.eval_frame import get_eval_frame_callback as eval_frame_callback
 
-    if eval_frame_callback() is not None:
-        raise TypeError("Dynamo's frame callback is set at import")
     if function_modes() or get_default_device() != cpu_device:  # what the rule rests on
         raise TypeError("a default device without a function mode")
     return Eager(plain_cpu_key_sets=plain, key_set=lambda t: C._dispatch_keys(t).raw_repr(),

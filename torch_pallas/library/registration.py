@@ -152,11 +152,12 @@ def direct_caller(op) -> Callable:
 
 
 def runs_directly(op) -> Callable[..., bool] | None:
-    """For a `define`d op's OpOverload, a predicate on a call's arguments:
-    whether the dispatcher would hand `op(*args, **kwargs)` to nothing but
-    the op's kernel, and hand it the arguments as they are, which a caller
-    may then run straight (under torch_compat.EAGER.below_views, as the
-    dispatcher would). That is a plain eager call needing no gradient, on
+    """For a `define`d or `define_composite`d op's OpOverload, a predicate on
+    a call's arguments: whether the dispatcher would hand `op(*args,
+    **kwargs)` to nothing but the op's kernel, and hand it the arguments as
+    they are, which a caller may then run straight (under
+    torch_compat.EAGER.below_views, as the dispatcher would). That is a
+    plain eager call needing no gradient, on
     CPU tensors (of type torch.Tensor or nn.Parameter, strided, with no
     conjugate or other extra dispatch key; inference tensors too) and
     values of the types the schema names (_DIRECT_KINDS: a factory's size,

@@ -186,7 +186,7 @@ def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
         out, _ = _forward(q, k, v, mask, scale, bool(is_causal))
     has_heads = max(query.dim(), key.dim(), value.dim()) >= 3
     shape = (*outer, *((heads,) if has_heads else ()), length, value_dim)
-    return out if out.shape == shape else out.reshape(shape)
+    return checks.shaped(out, shape)
 
 
 # --- the forward op --------------------------------------------------------

@@ -179,6 +179,12 @@ def as_rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
+def flat(parameter: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """A norm's weight or bias as the (N,) its kernels read (None stays
+    None): itself where it has one dimension, a reshape otherwise."""
+    return parameter if parameter is None or parameter.dim() == 1 else parameter.reshape(n)
+
+
 def shaped(t: torch.Tensor, shape) -> torch.Tensor:
     """A kernel's fresh result `t` viewed as `shape`, or `t` itself where it
     has that shape already: a view is a dispatcher call, several us of a

@@ -43,14 +43,10 @@ def layer_norm_implementation(input, normalized_shape, weight=None, bias=None, e
     _check(input, normalized_shape, weight, bias)
     n = math.prod(normalized_shape)
     x = checks.merged_normalized(input, normalized_shape)
-    weight = input.new_ones(n) if weight is None else _flat(weight, n)
-    bias = input.new_zeros(n) if bias is None else _flat(bias, n)
+    weight = input.new_ones(n) if weight is None else checks.flat(weight, n)
+    bias = input.new_zeros(n) if bias is None else checks.flat(bias, n)
     out, _, _ = _forward(x, weight, bias, float(eps))
-    return out if out.shape == input.shape else out.reshape(input.shape)
-
-
-def _flat(parameter: torch.Tensor, n: int) -> torch.Tensor:
-    return parameter if parameter.dim() == 1 else parameter.reshape(n)
+    return checks.shaped(out, input.shape)
 
 
 # --- the forward op, rows along the last dimension ---------------------------

@@ -46,9 +46,8 @@ def rms_norm_implementation(input, normalized_shape, weight=None, eps=None):
     eps = torch.finfo(input.dtype).eps if eps is None else float(eps)
     n = math.prod(normalized_shape)
     x = checks.merged_normalized(input, normalized_shape)
-    flat_weight = weight if weight is None or weight.dim() == 1 else weight.reshape(n)
-    out, _ = _forward(x, flat_weight, eps)
-    return out if out.shape == input.shape else out.reshape(input.shape)
+    out, _ = _forward(x, checks.flat(weight, n), eps)
+    return checks.shaped(out, input.shape)
 
 
 # --- the forward op, rows along the last dimension ---------------------------

@@ -100,6 +100,9 @@ SHAPES = {  # make_case keywords
     # three 367-key chunks (the last one padded).
     "causal_chunks_shared_mask": dict(b=1, hq=2, hkv=1, l=600, s=1100, causal=True,
                                       mask="shared"),
+    # Shorter causal rows: five 60-row query blocks (x 2 heads), three
+    # 100-key chunks, those above the diagonal skipped.
+    "causal_square_blocks": dict(b=1, hq=2, hkv=1, l=300, s=300, causal=True),
 }
 
 

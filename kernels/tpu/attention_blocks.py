@@ -31,15 +31,18 @@ from torch_pallas.kernels.attention_shapes import AttentionDims
 from torch_pallas.kernels.shapes import cdiv, round_up
 
 # Batched body blocks (measured on the 2-core CPU; see batched_blocks):
-# up to WHOLE_KEYS (CAUSAL_WHOLE_KEYS) keys, every key at once in blocks of
-# about BLOCK_SCORE_BYTES of float32 scores; longer rows in chunks of
-# KEY_CHUNK (CAUSAL_KEY_CHUNK) keys, CHUNKED_ROWS query rows per block.
+# up to WHOLE_KEYS keys, every key at once in blocks of about
+# BLOCK_SCORE_BYTES of float32 scores; longer rows in chunks of KEY_CHUNK
+# keys, CHUNKED_ROWS query rows per block. Causal rows are cut into square
+# blocks of CAUSAL_SIDE rows x keys (those above the diagonal skipped),
+# CAUSAL_LONG_SIDE from CAUSAL_LONG_KEYS keys on.
 BLOCK_SCORE_BYTES = 2 * 2**20
 WHOLE_KEYS = 1024
-CAUSAL_WHOLE_KEYS = 512
 KEY_CHUNK = 1024
-CAUSAL_KEY_CHUNK = 512
 CHUNKED_ROWS = 512
+CAUSAL_SIDE = 128
+CAUSAL_LONG_SIDE = 512
+CAUSAL_LONG_KEYS = 1024
 # TPU vector tiles: sublanes (second-to-last axis; 16 covers packed 16-bit
 # rows) and lanes (last axis).
 SUBLANES = 16
@@ -117,24 +120,33 @@ def batched_blocks(dims: AttentionDims, *, causal: bool = False) -> BatchedBlock
       1 MiB blocks 0.83x, 4 MiB 0.86x; at L=S=1024, 512 rows with every
       key 0.86x, 256 rows 0.71x; at L=S=2048 (B=2), 512 x 1024 chunks
       0.85x, 128 x 256 ones 0.44x.
-    - causal: 512 x 512 chunks (the diagonal block masked, those above it
-      skipped) 0.87x at 512, 0.82x at 1024, 0.72x at 2048; 128 x 128 ones
-      0.72x, 0.63x and 0.47x. Small chunks lose to the online softmax's
-      per-chunk passes. (An earlier AVX-512 Xeon preferred 1 MiB blocks
-      and 128 x 128 causal chunks.)
+    - causal, square blocks of rows x keys (the diagonal ones masked,
+      those above it skipped; 2026-12-04, forward): 128 x 128 blocks 0.56x
+      torch at 128 keys, 0.66x at 190 and 256, 0.72x at 384, 0.79x at 512,
+      0.65x at 768; whole rows of keys (one masked block) 0.49x, 0.45x,
+      0.37x, 0.51x, 0.63x and 0.58x. From 1024 keys on 512 x 512 blocks
+      win: 0.68x against 0.67x at 1024, 0.71x against 0.60x at 2048 (B=2).
+      256 x 256 blocks ran at half the speed of both (0.40-0.47x at 256,
+      512 and 1024). Forward and backward at 256 and 512 keys: 128 x 128
+      blocks 0.61x and 0.80x torch, whole rows 0.48x and 0.72x. An
+      earlier session measured 512 x 512 chunks at 0.87x at 512 keys on
+      this host type, and an AVX-512 Xeon preferred 128 x 128 ones.
 
     Rows count every query head of the block; a block holds all G query
     heads of its key/value heads. Short problems are packed: as many query
     rows, then key/value heads, then batch entries as the rows allow."""
     g, l, s = dims.group, dims.q_len, dims.kv_len
     least = g * min(l, 8)  # the fewest rows of a block: 8 query rows of each head
-    whole = s <= (CAUSAL_WHOLE_KEYS if causal else WHOLE_KEYS)
-    if whole and BLOCK_SCORE_BYTES // (4 * s) >= least:
+    if causal:
+        whole_keys = most = chunked_rows = (CAUSAL_LONG_SIDE if s >= CAUSAL_LONG_KEYS
+                                            else CAUSAL_SIDE)
+    else:
+        whole_keys, most, chunked_rows = WHOLE_KEYS, KEY_CHUNK, CHUNKED_ROWS
+    if s <= whole_keys and BLOCK_SCORE_BYTES // (4 * s) >= least:
         chunk, rows = s, BLOCK_SCORE_BYTES // (4 * s)
     else:
-        most = CAUSAL_KEY_CHUNK if causal else KEY_CHUNK
         chunk = _even(s, min(most, BLOCK_SCORE_BYTES // (4 * least)))
-        rows = max(CHUNKED_ROWS, least)
+        rows = max(chunked_rows, least)
     if rows < g * l:  # one (batch, kv head), part of its query rows
         return BatchedBlocks(1, 1, _even(l, rows // g), chunk)
     pairs = rows // (g * l)  # (batch, kv head) pairs per block

@@ -103,6 +103,8 @@ SHAPES = {  # make_case keywords
     # Shorter causal rows: five 60-row query blocks (x 2 heads), three
     # 100-key chunks, those above the diagonal skipped.
     "causal_square_blocks": dict(b=1, hq=2, hkv=1, l=300, s=300, causal=True),
+    # 129-256 keys come in 128-key chunks: two 100-key chunks here.
+    "short_key_chunks": dict(b=1, hq=2, hkv=1, l=200, s=200, mask="heads"),
 }
 
 

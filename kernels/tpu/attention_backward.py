@@ -425,7 +425,8 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     (attention_blocks.batched_blocks); TPU blocks elsewhere."""
     if backend != "interpret":
         return AttentionConfig.default(backend)
-    return blocks_.batched_config(_dims(avals, params), causal=bool(params.get("causal", False)))
+    return blocks_.batched_config(_dims(avals, params), causal=bool(params.get("causal", False)),
+                                  backward=True)
 
 
 def _dims(avals, params):

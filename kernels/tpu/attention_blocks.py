@@ -30,19 +30,20 @@ import jax.numpy as jnp
 from torch_pallas.kernels.attention_shapes import AttentionDims
 from torch_pallas.kernels.shapes import cdiv, round_up
 
-# Batched body blocks (measured on the 2-core CPU; see batched_blocks):
-# up to WHOLE_KEYS keys, every key at once in blocks of about
-# BLOCK_SCORE_BYTES of float32 scores; longer rows in chunks of KEY_CHUNK
-# keys, CHUNKED_ROWS query rows per block. Causal rows are cut into square
-# blocks of CAUSAL_SIDE rows x keys (those above the diagonal skipped),
-# CAUSAL_LONG_SIDE from CAUSAL_LONG_KEYS keys on.
+# Batched body blocks (measured on the 2-core CPU; see batched_blocks).
+# Keys: (up to this many keys, the most keys of a chunk; None: every key at
+# once), the first band that holds the row's keys applies. Causal blocks
+# are square (rows x keys), those above the diagonal skipped.
+KEY_BANDS = ((128, None), (256, 128), (512, None), (None, 512))
+BACKWARD_KEY_BANDS = ((1024, None), (None, 1024))
+CAUSAL_KEY_BANDS = ((128, None), (1023, 128), (None, 512))
+# Rows: every key at once, about BLOCK_SCORE_BYTES of float32 scores, the
+# rows of several (batch, kv head) pairs packed where they fit; in chunks,
+# CHUNKED_ROWS (causal: as many as the chunk's keys), of one pair at most
+# unless a pair has fewer than PACKED_BELOW rows (decoding).
 BLOCK_SCORE_BYTES = 2 * 2**20
-WHOLE_KEYS = 1024
-KEY_CHUNK = 1024
 CHUNKED_ROWS = 512
-CAUSAL_SIDE = 128
-CAUSAL_LONG_SIDE = 512
-CAUSAL_LONG_KEYS = 1024
+PACKED_BELOW = 64
 # TPU vector tiles: sublanes (second-to-last axis; 16 covers packed 16-bit
 # rows) and lanes (last axis).
 SUBLANES = 16
@@ -109,44 +110,70 @@ def _even(n: int, most: int) -> int:
     return cdiv(n, cdiv(n, max(most, 1)))
 
 
-def batched_blocks(dims: AttentionDims, *, causal: bool = False) -> BatchedBlocks:
+def _band(bands, s: int):
+    return next(most for upto, most in bands if upto is None or s <= upto)
+
+
+def batched_blocks(dims: AttentionDims, *, causal: bool = False,
+                   backward: bool = False) -> BatchedBlocks:
     """The batched body's blocks: large enough that XLA CPU's GEMMs run
     near their speed and the loop takes few steps, small enough that a
     block's scores stay in the CPU's caches and memory stays flat for long
     sequences. Measured on the 2-core AMD EPYC (1 MiB L2 per core, AVX2),
-    B=4, H=8, E=64, float32, forward against torch's SDPA in one run:
+    B=4, H=8, E=64, float32, forward against torch's SDPA, each form
+    compiled in one process and timed in interleaved rounds (2026-12-04;
+    this VM's two cores alternate between two speeds for seconds at a time,
+    so forms timed in different processes do not compare). Blocks as
+    (rows x keys), one head each unless said:
 
-    - L=S=512: 2 MiB blocks (2 heads x 512 rows, every key) 0.88x torch,
-      1 MiB blocks 0.83x, 4 MiB 0.86x; at L=S=1024, 512 rows with every
-      key 0.86x, 256 rows 0.71x; at L=S=2048 (B=2), 512 x 1024 chunks
-      0.85x, 128 x 256 ones 0.44x.
-    - causal, square blocks of rows x keys (the diagonal ones masked,
-      those above it skipped; 2026-12-04, forward): 128 x 128 blocks 0.56x
-      torch at 128 keys, 0.66x at 190 and 256, 0.72x at 384, 0.79x at 512,
-      0.65x at 768; whole rows of keys (one masked block) 0.49x, 0.45x,
-      0.37x, 0.51x, 0.63x and 0.58x. From 1024 keys on 512 x 512 blocks
-      win: 0.68x against 0.67x at 1024, 0.71x against 0.60x at 2048 (B=2).
-      256 x 256 blocks ran at half the speed of both (0.40-0.47x at 256,
-      512 and 1024). Forward and backward at 256 and 512 keys: 128 x 128
-      blocks 0.61x and 0.80x torch, whole rows 0.48x and 0.72x. An
-      earlier session measured 512 x 512 chunks at 0.87x at 512 keys on
-      this host type, and an AVX-512 Xeon preferred 128 x 128 ones.
+    - L=S=128: 128 x 128 0.78-0.99x torch, all 32 heads in one block
+      0.73-0.79x, 4 or 8 heads 0.51-0.63x. L=S=64 and 37: 0.74-0.88x
+      whatever the packing.
+    - L=S=192: 192 x 96 chunks 0.63x (1.05x in another run), 192 x 192
+      0.48x (0.83x), 8 heads of 192 x 192 0.66x. L=S=256: 256 x 128 chunks
+      0.60-0.72x, 128 x 128 0.57-0.93x, 256 x 256 0.44-0.52x, 8 heads of
+      256 x 256 0.44-0.49x, two heads of 256 x 128 0.41-0.45x.
+    - L=S=320: every key 0.52x, 107-key chunks 0.44x. L=S=384: every
+      key, 2 or 1 heads, 0.53-0.65x; 128- and 192-key chunks 0.40-0.57x. L=S=512: every key, 2 or 1 heads, 0.73-0.79x;
+      256-key chunks 0.60-0.67x, 128-key ones 0.53-0.58x, 512 x 128 0.34x.
+    - L=S=768: 384 x 384 chunks 0.65x, 768 x 768 0.65x, 384 x 768 (every
+      key) 0.53x. L=S=1024: 512 x 512 chunks 0.88x, every key 0.70-0.78x.
+      L=S=2048 (B=2): 512 x 512 chunks 0.90x, 512 x 1024 0.73x.
+    - causal (the diagonal blocks masked): 128 x 128 blocks 0.56x torch at
+      128 keys, 0.66x at 190 and 256, 0.72x at 384, 0.79x at 512, 0.65x
+      at 768; whole rows of keys (one masked block) 0.49x, 0.45x, 0.37x,
+      0.51x, 0.63x and 0.58x. From 1024 keys on 512 x 512 blocks win: 0.68x
+      against 0.67x at 1024, 0.71x against 0.60x at 2048 (B=2). Forward and
+      backward at 256 and 512 keys: 128 x 128 blocks 0.61x and 0.80x
+      torch, whole rows 0.48x and 0.72x. With 4 query heads a key/value
+      head, at 512: 32 query rows (x 4 heads) 0.80x, 64 rows 0.87x, 128
+      rows 0.58x.
+
+    - backward (its five products per block), every key at once as far
+      as 1024 keys and 2 MiB blocks: at 256, 8 heads of 256 x 256 22.2 ms,
+      one head 25.4 ms, 256 x 128 chunks 21.0 ms; at 512, 2 heads 56.9 ms,
+      one 66.4 ms; at 1024, 512 x 1024 236 ms, 512 x 512 chunks 244 ms.
+
+    The GEMMs' speed moves with the block's shape in no simple way (XLA's
+    YNNPACK dots), hence the bands. An earlier session on this host type
+    measured 2 MiB blocks of every key fastest at 512 (0.88x) and 1024, and
+    an AVX-512 Xeon preferred 1 MiB blocks and 128 x 128 causal chunks.
 
     Rows count every query head of the block; a block holds all G query
-    heads of its key/value heads. Short problems are packed: as many query
-    rows, then key/value heads, then batch entries as the rows allow."""
+    heads of its key/value heads."""
     g, l, s = dims.group, dims.q_len, dims.kv_len
     least = g * min(l, 8)  # the fewest rows of a block: 8 query rows of each head
-    if causal:
-        whole_keys = most = chunked_rows = (CAUSAL_LONG_SIDE if s >= CAUSAL_LONG_KEYS
-                                            else CAUSAL_SIDE)
-    else:
-        whole_keys, most, chunked_rows = WHOLE_KEYS, KEY_CHUNK, CHUNKED_ROWS
-    if s <= whole_keys and BLOCK_SCORE_BYTES // (4 * s) >= least:
+    bands = CAUSAL_KEY_BANDS if causal else BACKWARD_KEY_BANDS if backward else KEY_BANDS
+    most = _band(bands, s)
+    if most is None and BLOCK_SCORE_BYTES // (4 * s) >= least:
         chunk, rows = s, BLOCK_SCORE_BYTES // (4 * s)
     else:
+        most = most or s
         chunk = _even(s, min(most, BLOCK_SCORE_BYTES // (4 * least)))
-        rows = max(chunked_rows, least)
+        rows = most if causal else CHUNKED_ROWS
+        if g * l >= PACKED_BELOW:
+            rows = min(rows, g * l)
+        rows = max(rows, least)
     if rows < g * l:  # one (batch, kv head), part of its query rows
         return BatchedBlocks(1, 1, _even(l, rows // g), chunk)
     pairs = rows // (g * l)  # (batch, kv head) pairs per block
@@ -203,9 +230,9 @@ def mask_block_index(mask_shape, b, h):
     return (b if bm > 1 else 0), (h if hm > 1 else 0)
 
 
-def batched_config(dims, *, causal: bool = False) -> AttentionConfig:
+def batched_config(dims, *, causal: bool = False, backward: bool = False) -> AttentionConfig:
     """The batched body's config for these sizes (see batched_blocks)."""
-    blk = batched_blocks(dims, causal=causal)
+    blk = batched_blocks(dims, causal=causal, backward=backward)
     return AttentionConfig(Body.BATCHED, block_q=blk.q_rows, block_k=blk.k_chunk,
                            block_b=blk.batch, block_h=blk.kv_heads)
 

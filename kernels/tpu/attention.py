@@ -48,8 +48,6 @@ from jax.experimental.pallas import tpu as pltpu
 from torch_pallas.kernels import attention_dropout
 from torch_pallas.kernels.attention_shapes import (attention_dims, attention_flops,
                                                    dropout_param, optional_operands)
-from torch_pallas.kernels.padding import pad_to
-from torch_pallas.kernels.shapes import round_up
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import attention_blocks as blocks_
 from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot, visible
@@ -153,31 +151,21 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
 def pipelined_attention(q, k, v, mask, keys, *, scale, causal, dropout_p, config, interpret,
                         num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
-    bq = blocks_.pipelined_block(dims.q_len, config.block_q, blocks_.SUBLANES)
-    bk = blocks_.pipelined_block(dims.kv_len, config.block_k, blocks_.LANES)
-    lp, sp = round_up(dims.q_len, bq), round_up(dims.kv_len, bk)
-    ep = round_up(dims.head_dim, config.head_multiple)
-    evp = round_up(dims.value_dim, config.head_multiple)
-    b, hq, hkv = dims.batch, dims.q_heads, dims.kv_heads
-    operands = [pad_to(q, (b, hq, lp, ep)), pad_to(k, (b, hkv, sp, ep)),
-                pad_to(v, (b, hkv, sp, evp))]
-    if mask is not None:
-        operands.append(pad_to(mask, (*mask.shape[:2], lp, sp)))
-    if keys is not None:
-        operands.append(pad_to(keys, (b, hq, lp)).reshape(b, hq, lp, 1))
+    lay, bq, bk = blocks_.pipelined_layout(dims, config)
+    operands = [lay.rows(q, lay.e), lay.kv(k, lay.e), lay.kv(v, lay.ev),
+                *lay.optional(mask, keys)]
     o, lse = pl.kernel(
         functools.partial(pipelined_kernel, scale=scale, causal=causal, kv_len=dims.kv_len,
                           group=dims.group, num_cores=num_cores, block_k=bk,
                           **dropout_param(dropout_p)),
-        out_type=(jax.ShapeDtypeStruct((b, hq, lp, evp), q.dtype),
-                  jax.ShapeDtypeStruct((b, hq, lp, 1), jnp.float32)),
+        out_type=(lay.row_type(lay.ev, q.dtype), lay.row_type(None, jnp.float32)),
         mesh=tensorcore_mesh(num_cores),
         scratch_types=dict(m_vmem=pltpu.VMEM((bq, blocks_.LANES), jnp.float32),
                            l_vmem=pltpu.VMEM((bq, blocks_.LANES), jnp.float32),
-                           acc_vmem=pltpu.VMEM((bq, evp), jnp.float32)),
+                           acc_vmem=pltpu.VMEM((bq, lay.ev), jnp.float32)),
         interpret=interpret,
     )(*operands)
-    return o[:, :, :dims.q_len, :dims.value_dim], lse[:, :, :dims.q_len, 0]
+    return lay.row_result(o, dims.value_dim), lay.row_result(lse)
 
 
 # ---------------------------------------------------------------------------
@@ -281,33 +269,18 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dr
 
 def batched_attention(q, k, v, mask, keys, *, scale, causal, dropout_p, config, interpret,
                       num_cores):
-    if num_cores != 1:
-        raise ValueError(f"attention: the batched body runs on one core, not {num_cores=} "
-                         "(it is the generic interpreter's; use Body.PIPELINED)")
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
-    b, hkv, g = dims.batch, dims.kv_heads, dims.group
-    bb, bh = config.block_b or b, config.block_h or hkv
-    bq, ck = config.block_q or dims.q_len, config.block_k or dims.kv_len
-    if b % bb or hkv % bh:
-        raise ValueError(f"attention: {config.block_b=} and {config.block_h=} must divide the "
-                         f"batch {b} and the key/value heads {hkv}")
-    lp, sp = round_up(dims.q_len, bq), round_up(dims.kv_len, ck)
-    operands = [blocks_.as_groups(pad_to(q, (b, dims.q_heads, lp, dims.head_dim)), hkv),
-                pad_to(k, (b, hkv, sp, dims.head_dim)), pad_to(v, (b, hkv, sp, dims.value_dim))]
-    if mask is not None:
-        operands.append(blocks_.mask_groups(pad_to(mask, (*mask.shape[:2], lp, sp)), hkv))
-    if keys is not None:
-        operands.append(blocks_.as_groups(pad_to(keys, (b, dims.q_heads, lp)), hkv))
+    lay, blocks = blocks_.batched_layout("attention", dims, config, num_cores)
+    operands = [lay.rows(q, lay.e), lay.kv(k, lay.e), lay.kv(v, lay.ev),
+                *lay.optional(mask, keys)]
     o, lse = pl.kernel(
-        functools.partial(batched_kernel, blocks=(bb, bh, bq, ck), scale=scale, causal=causal,
+        functools.partial(batched_kernel, blocks=blocks, scale=scale, causal=causal,
                           kv_len=dims.kv_len, **dropout_param(dropout_p)),
-        out_type=(jax.ShapeDtypeStruct((b, hkv, g, lp, dims.value_dim), q.dtype),
-                  jax.ShapeDtypeStruct((b, hkv, g, lp), jnp.float32)),
+        out_type=(lay.row_type(lay.ev, q.dtype), lay.row_type(None, jnp.float32)),
         mesh=tensorcore_mesh(num_cores),
         interpret=interpret,
     )(*operands)
-    o = o.reshape(b, dims.q_heads, lp, dims.value_dim)[:, :, :dims.q_len]
-    return o, lse.reshape(b, dims.q_heads, lp)[:, :, :dims.q_len]
+    return lay.row_result(o, dims.value_dim), lay.row_result(lse)
 
 
 # ---------------------------------------------------------------------------
@@ -332,11 +305,7 @@ def _dims(avals, params):
 
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
-    """On `interpret`, batched blocks with cache-sized scores
-    (attention_blocks.batched_blocks); TPU blocks elsewhere."""
-    if backend != "interpret":
-        return AttentionConfig.default(backend)
-    return blocks_.batched_config(_dims(avals, params), causal=bool(params.get("causal", False)))
+    return blocks_.select_config(backend, _dims(avals, params), params)
 
 
 def flops(avals, params) -> float:

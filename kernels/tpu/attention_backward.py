@@ -48,8 +48,6 @@ from jax.experimental.pallas import tpu as pltpu
 from torch_pallas.kernels import attention_dropout
 from torch_pallas.kernels.attention_shapes import (attention_dims, attention_flops,
                                                    dropout_param, optional_operands)
-from torch_pallas.kernels.padding import pad_to
-from torch_pallas.kernels.shapes import round_up
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import attention_blocks as blocks_
 from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot, visible
@@ -227,46 +225,40 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
 def pipelined_backward(q, k, v, do, lse, delta, mask, keys, *, scale, causal, dropout_p, config,
                        interpret, num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
-    b, hq, hkv = dims.batch, dims.q_heads, dims.kv_heads
-    bq = blocks_.pipelined_block(dims.q_len, config.block_q, blocks_.SUBLANES)
-    bk = blocks_.pipelined_block(dims.kv_len, config.block_k, blocks_.LANES)
-    lp, sp = round_up(dims.q_len, bq), round_up(dims.kv_len, bk)
-    ep = round_up(dims.head_dim, config.head_multiple)
-    evp = round_up(dims.value_dim, config.head_multiple)
-    rows = (b, hq, lp)
-    operands = [
-        pad_to(q, (*rows, ep)), pad_to(k, (b, hkv, sp, ep)), pad_to(v, (b, hkv, sp, evp)),
-        pad_to(do, (*rows, evp)),
-        # Padded rows: lse +inf, so p = 0 there.
-        jnp.pad(lse, ((0, 0), (0, 0), (0, lp - dims.q_len)), constant_values=jnp.inf
-                ).reshape(*rows, 1),
-        pad_to(delta, rows).reshape(*rows, 1),
-    ]
-    if mask is not None:
-        operands.append(pad_to(mask, (*mask.shape[:2], lp, sp)))
-    if keys is not None:
-        operands.append(pad_to(keys, rows).reshape(*rows, 1))
+    lay, bq, bk = blocks_.pipelined_layout(dims, config)
+    operands = _operands(lay, q, k, v, do, lse, delta, mask, keys)
     static = dict(scale=scale, causal=causal, kv_len=dims.kv_len, group=dims.group,
                   block_q=bq, block_k=bk, num_cores=num_cores, **dropout_param(dropout_p))
     mesh = tensorcore_mesh(num_cores)
     dk, dv = pl.kernel(
         functools.partial(dkdv_kernel, **static),
-        out_type=(jax.ShapeDtypeStruct((b, hkv, sp, ep), q.dtype),
-                  jax.ShapeDtypeStruct((b, hkv, sp, evp), q.dtype)),
+        out_type=(lay.kv_type(lay.e, q.dtype), lay.kv_type(lay.ev, q.dtype)),
         mesh=mesh,
-        scratch_types=dict(dk_vmem=pltpu.VMEM((bk, ep), jnp.float32),
-                           dv_vmem=pltpu.VMEM((bk, evp), jnp.float32)),
+        scratch_types=dict(dk_vmem=pltpu.VMEM((bk, lay.e), jnp.float32),
+                           dv_vmem=pltpu.VMEM((bk, lay.ev), jnp.float32)),
         interpret=interpret,
     )(*operands)
     dq = pl.kernel(
         functools.partial(dq_kernel, **static),
-        out_type=jax.ShapeDtypeStruct((*rows, ep), q.dtype),
+        out_type=lay.row_type(lay.e, q.dtype),
         mesh=mesh,
-        scratch_types=dict(dq_vmem=pltpu.VMEM((bq, ep), jnp.float32)),
+        scratch_types=dict(dq_vmem=pltpu.VMEM((bq, lay.e), jnp.float32)),
         interpret=interpret,
     )(*operands)
-    return (dq[:, :, :dims.q_len, :dims.head_dim], dk[:, :, :dims.kv_len, :dims.head_dim],
-            dv[:, :, :dims.kv_len, :dims.value_dim])
+    return _results(lay, dq, dk, dv)
+
+
+def _operands(lay, q, k, v, do, lse, delta, mask, keys) -> list:
+    """Both bodies' operands, laid out by `lay`; padded rows get lse +inf,
+    so p = 0 there."""
+    return [lay.rows(q, lay.e), lay.kv(k, lay.e), lay.kv(v, lay.ev), lay.rows(do, lay.ev),
+            lay.rows(lse, fill=jnp.inf), lay.rows(delta), *lay.optional(mask, keys)]
+
+
+def _results(lay, dq, dk, dv):
+    d = lay.dims
+    return (lay.row_result(dq, d.head_dim), lay.kv_result(dk, d.head_dim),
+            lay.kv_result(dv, d.value_dim))
 
 
 # ---------------------------------------------------------------------------
@@ -365,41 +357,17 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
 
 def batched_backward(q, k, v, do, lse, delta, mask, keys, *, scale, causal, dropout_p, config,
                      interpret, num_cores):
-    if num_cores != 1:
-        raise ValueError(f"attention_backward: the batched body runs on one core, not "
-                         f"{num_cores=} (it is the generic interpreter's; use Body.PIPELINED)")
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
-    b, hq, hkv, g = dims.batch, dims.q_heads, dims.kv_heads, dims.group
-    bb, bh = config.block_b or b, config.block_h or hkv
-    bq, ck = config.block_q or dims.q_len, config.block_k or dims.kv_len
-    if b % bb or hkv % bh:
-        raise ValueError(f"attention_backward: {config.block_b=} and {config.block_h=} must "
-                         f"divide the batch {b} and the key/value heads {hkv}")
-    lp, sp = round_up(dims.q_len, bq), round_up(dims.kv_len, ck)
-    e, ev = dims.head_dim, dims.value_dim
-
-    def grouped(x, width=None):
-        shape = (b, hq, lp) if width is None else (b, hq, lp, width)
-        return blocks_.as_groups(pad_to(x, shape), hkv)
-
-    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, lp - dims.q_len)), constant_values=jnp.inf)
-    operands = [grouped(q, e), pad_to(k, (b, hkv, sp, e)), pad_to(v, (b, hkv, sp, ev)),
-                grouped(do, ev), blocks_.as_groups(lse, hkv), grouped(delta)]
-    if mask is not None:
-        operands.append(blocks_.mask_groups(pad_to(mask, (*mask.shape[:2], lp, sp)), hkv))
-    if keys is not None:
-        operands.append(grouped(keys))
+    lay, blocks = blocks_.batched_layout("attention_backward", dims, config, num_cores)
     dq, dk, dv = pl.kernel(
-        functools.partial(batched_kernel, blocks=(bb, bh, bq, ck), scale=scale, causal=causal,
+        functools.partial(batched_kernel, blocks=blocks, scale=scale, causal=causal,
                           kv_len=dims.kv_len, **dropout_param(dropout_p)),
-        out_type=(jax.ShapeDtypeStruct((b, hkv, g, lp, e), q.dtype),
-                  jax.ShapeDtypeStruct((b, hkv, sp, e), q.dtype),
-                  jax.ShapeDtypeStruct((b, hkv, sp, ev), q.dtype)),
+        out_type=(lay.row_type(lay.e, q.dtype), lay.kv_type(lay.e, q.dtype),
+                  lay.kv_type(lay.ev, q.dtype)),
         mesh=tensorcore_mesh(num_cores),
         interpret=interpret,
-    )(*operands)
-    return (dq.reshape(b, hq, lp, e)[:, :, :dims.q_len], dk[:, :, :dims.kv_len],
-            dv[:, :, :dims.kv_len])
+    )(*_operands(lay, q, k, v, do, lse, delta, mask, keys))
+    return _results(lay, dq, dk, dv)
 
 
 # ---------------------------------------------------------------------------
@@ -421,12 +389,7 @@ def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: boo
 
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
-    """On `interpret`, batched blocks with cache-sized scores
-    (attention_blocks.batched_blocks); TPU blocks elsewhere."""
-    if backend != "interpret":
-        return AttentionConfig.default(backend)
-    return blocks_.batched_config(_dims(avals, params), causal=bool(params.get("causal", False)),
-                                  backward=True)
+    return blocks_.select_config(backend, _dims(avals, params), params, backward=True)
 
 
 def _dims(avals, params):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from torch_pallas.kernels.attention_shapes import AttentionDims
+from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import cdiv, round_up
 
 # Batched body blocks (measured on the 2-core CPU; see batched_blocks).
@@ -235,6 +236,114 @@ def batched_config(dims, *, causal: bool = False, backward: bool = False) -> Att
     blk = batched_blocks(dims, causal=causal, backward=backward)
     return AttentionConfig(Body.BATCHED, block_q=blk.q_rows, block_k=blk.k_chunk,
                            block_b=blk.batch, block_h=blk.kv_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One call's operands as a body reads them, and its results given
+    back: query rows padded to `lp`, keys to `sp` (zeros; the kernels mask
+    the padded keys and the padded rows are sliced off), head dimensions to
+    `e` and `ev`. `grouped` (the batched body): the rows of the G query
+    heads of a key/value head together, (B, Hkv, G, Lp, ...), and per-row
+    statistics (B, Hkv, G, Lp). Otherwise (the pipelined body) (B, Hq, Lp,
+    ...), the statistics as (B, Hq, Lp, 1) columns for their blocks."""
+
+    dims: AttentionDims
+    lp: int
+    sp: int
+    e: int
+    ev: int
+    grouped: bool
+
+    def rows(self, x, width: int | None = None, fill: float = 0.0):
+        """A per-query-row operand, (B, Hq, L, ...) of `width` columns, or
+        per-row statistics (B, Hq, L) where `width` is None; padded rows
+        hold `fill`."""
+        d = self.dims
+        shape = (d.batch, d.q_heads, self.lp) + (() if width is None else (width,))
+        if fill:
+            x = jnp.pad(x, [(0, n - m) for m, n in zip(x.shape, shape)], constant_values=fill)
+        x = pad_to(x, shape)
+        if self.grouped:
+            return as_groups(x, d.kv_heads)
+        return x if width is not None else x.reshape(*shape, 1)
+
+    def kv(self, x, width: int):
+        """A per-key operand (k or v: B, Hkv, S, ...) of `width` columns."""
+        return pad_to(x, (self.dims.batch, self.dims.kv_heads, self.sp, width))
+
+    def optional(self, mask, keys) -> list:
+        """[mask][, dropout keys] as the kernels read them: the mask (Bm,
+        Hm, L, S) padded (its broadcast axes left at 1), grouped for the
+        batched body; the rows' dropout keys (B, Hq, L) like statistics."""
+        operands = []
+        if mask is not None:
+            mask = pad_to(mask, (*mask.shape[:2], self.lp, self.sp))
+            operands.append(mask_groups(mask, self.dims.kv_heads) if self.grouped else mask)
+        if keys is not None:
+            operands.append(self.rows(keys))
+        return operands
+
+    def row_type(self, width: int | None, dtype) -> jax.ShapeDtypeStruct:
+        """The type of a per-row result laid out like `rows`."""
+        d = self.dims
+        lead = ((d.batch, d.kv_heads, d.group) if self.grouped else (d.batch, d.q_heads))
+        tail = (width,) if width is not None else (() if self.grouped else (1,))
+        return jax.ShapeDtypeStruct((*lead, self.lp, *tail), dtype)
+
+    def kv_type(self, width: int, dtype) -> jax.ShapeDtypeStruct:
+        d = self.dims
+        return jax.ShapeDtypeStruct((d.batch, d.kv_heads, self.sp, width), dtype)
+
+    def row_result(self, x, width: int | None = None):
+        """A per-row result (`row_type`) as (B, Hq, L[, width])."""
+        d = self.dims
+        if self.grouped:
+            x = x.reshape(d.batch, d.q_heads, self.lp, *x.shape[4:])
+        elif width is None:
+            x = x[..., 0]
+        x = x[:, :, :d.q_len]
+        return x if width is None else x[..., :width]
+
+    def kv_result(self, x, width: int):
+        """A per-key result (`kv_type`) as (B, Hkv, S, width)."""
+        return x[:, :, :self.dims.kv_len, :width]
+
+
+def pipelined_layout(dims: AttentionDims, config: AttentionConfig):
+    """(Layout, query block, key block) of the pipelined body: whole blocks
+    of rows and keys, head dimensions in whole lanes."""
+    bq = pipelined_block(dims.q_len, config.block_q, SUBLANES)
+    bk = pipelined_block(dims.kv_len, config.block_k, LANES)
+    layout = Layout(dims, round_up(dims.q_len, bq), round_up(dims.kv_len, bk),
+                    round_up(dims.head_dim, config.head_multiple),
+                    round_up(dims.value_dim, config.head_multiple), grouped=False)
+    return layout, bq, bk
+
+
+def batched_layout(op: str, dims: AttentionDims, config: AttentionConfig, num_cores: int):
+    """(Layout, (batch, kv heads, query rows, key chunk) per block) of the
+    batched body; `op` names the caller in its errors."""
+    if num_cores != 1:
+        raise ValueError(f"{op}: the batched body runs on one core, not {num_cores=} "
+                         "(it is the generic interpreter's; use Body.PIPELINED)")
+    b, hkv = dims.batch, dims.kv_heads
+    bb, bh = config.block_b or b, config.block_h or hkv
+    bq, ck = config.block_q or dims.q_len, config.block_k or dims.kv_len
+    if b % bb or hkv % bh:
+        raise ValueError(f"{op}: {config.block_b=} and {config.block_h=} must divide the "
+                         f"batch {b} and the key/value heads {hkv}")
+    layout = Layout(dims, round_up(dims.q_len, bq), round_up(dims.kv_len, ck),
+                    dims.head_dim, dims.value_dim, grouped=True)
+    return layout, (bb, bh, bq, ck)
+
+
+def select_config(backend: str, dims: AttentionDims, params, *, backward: bool = False):
+    """On `interpret`, batched blocks with cache-sized scores
+    (batched_blocks); TPU blocks elsewhere."""
+    if backend != "interpret":
+        return AttentionConfig.default(backend)
+    return batched_config(dims, causal=bool(params.get("causal", False)), backward=backward)
 
 
 def as_groups(x, kv_heads: int):

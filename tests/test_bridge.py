@@ -188,6 +188,48 @@ def test_compile_cache_is_bounded_and_clearable():
     assert len(compile_cache.compiled) == 0
 
 
+def test_a_ready_call_leaves_the_compile_cache_with_its_kernel():
+    """A call made ready to run is found by call signature while its kernel
+    is cached, keeps the kernel recently used, and goes when the kernel is
+    evicted or the cache cleared (it holds the compiled kernel)."""
+    cache = compile_cache.CompileCache(max_entries=2)
+    cache.set_ready("absent", lambda: "never kept")  # no entry: nothing kept
+    assert cache.ready("absent call") is None
+    cache.get("k", lambda: "kernel")
+    cache.remember_signature("call", "k")
+    assert cache.ready("call") is None  # none set yet
+    cache.set_ready("k", lambda: "ran")
+    for i in range(4):  # other kernels come and go; the ready one is used each time
+        cache.get(i, lambda i=i: f"kernel {i}")
+        assert cache.ready("call")() == "ran"
+    cache.get("x", lambda: "x")
+    cache.get("y", lambda: "y")  # "k" is now the least recently used: evicted
+    assert cache.ready("call") is None and cache.lookup_signature("call") is None
+    cache.get("k", lambda: "kernel again")
+    assert cache.ready("call") is None  # a rebuilt entry is made ready again by its caller
+    cache.set_ready("k", lambda: "ran again")
+    assert cache.ready("call")() == "ran again"
+    cache.clear()
+    assert cache.ready("call") is None
+
+
+def test_repeated_calls_run_ready_and_follow_clear_cache(monkeypatch):
+    from torch_pallas.runtime import launch
+
+    made = []
+    make = launch._cpu_call
+    monkeypatch.setattr(launch, "_cpu_call", lambda *args: made.append(1) or make(*args))
+    a, b = torch.randn(13, 7), torch.randn(13, 7)
+    torch_pallas.clear_cache()
+    torch.testing.assert_close(torch.ops.pallas.add(a, b), a + b)
+    builds = compile_cache.compiled.builds
+    torch.testing.assert_close(torch.ops.pallas.add(b, a), a + b)  # the ready call
+    assert compile_cache.compiled.builds == builds and len(made) == 1
+    torch_pallas.clear_cache()
+    torch.testing.assert_close(torch.ops.pallas.add(a, a), a + a)
+    assert compile_cache.compiled.builds == builds + 1 and len(made) == 2
+
+
 def test_compile_cache_drops_the_least_recently_used_kernel():
     """A kernel used on every step stays while others come and go, whether
     it is found by key or by call signature."""

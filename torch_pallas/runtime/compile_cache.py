@@ -9,7 +9,9 @@ builds it and the others wait for that build.
 A call first looks for its kernel under a cheaper key, the call's signature
 as torch sees it (`remember_signature`/`lookup_signature`): what the full key
 is computed from (backend selection, JAX dtype names) then costs nothing on
-repeated calls.
+repeated calls. An entry may also hold a call ready to run (`set_ready`,
+`ready`: a CPU kernel with its conversions chosen), which leaves the cache
+with its entry.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class CompileCache:
         self.builds = 0
         # call signature -> (the entry's key, what the call resolved to)
         self._resolved: dict[Hashable, tuple[Any, Hashable]] = {}
+        # an entry's key -> its call ready to run, where one was set
+        self._ready: dict[Hashable, Callable] = {}
         # Advances on clear(): what holders of an entry key it by.
         self.generation = 0
 
@@ -49,7 +53,8 @@ class CompileCache:
                     self.builds += 1
                     self._entries[key] = entry
                     while len(self._entries) > self.max_entries:
-                        self._entries.popitem(last=False)
+                        evicted, _ = self._entries.popitem(last=False)
+                        self._ready.pop(evicted, None)
                     self._building.pop(key, None)
         return entry
 
@@ -73,6 +78,24 @@ class CompileCache:
         self._used(found[0])
         return (*found, entry)
 
+    def set_ready(self, key: Hashable, call: Callable) -> None:
+        """Keeps `call`, the entry under `key` made ready to run, beside the
+        entry while it is cached."""
+        with self._lock:
+            if key in self._entries:
+                self._ready[key] = call
+
+    def ready(self, signature: Hashable) -> Callable | None:
+        """The ready call of the entry filed under `signature`, if both
+        are still cached."""
+        found = self._resolved.get(signature)
+        if found is None:
+            return None
+        call = self._ready.get(found[0])
+        if call is not None:
+            self._used(found[0])
+        return call
+
     def _used(self, key: Hashable) -> None:
         """Marks `key` as the most recently used: eviction takes the least
         recently used entries."""
@@ -85,6 +108,7 @@ class CompileCache:
         with self._lock:
             self._entries.clear()
             self._resolved.clear()
+            self._ready.clear()
             self.generation += 1
 
     def __len__(self) -> int:

@@ -255,7 +255,7 @@ def run(
                         wrap=torch.library.wrap_triton, **execution)
     signature = call_signature(op, device, inputs, params or {}, user_function)
     if user_function is None:  # a shipped op's repeated call: straight to its kernel
-        ready = _ready.get(signature)
+        ready = compile_cache.compiled.ready(signature)
         if ready is not None:
             return ready(*inputs)
     backend, kernel, key = compiled_kernel(op, device, inputs, params, user_function, signature)
@@ -266,7 +266,7 @@ def run(
             return _run_compiled(kernel, *inputs)
         call = _cpu_call(kernel, inputs)
         if user_function is None and backends.choice_is_stable(backend, device):
-            _ready.put(signature, call)
+            compile_cache.compiled.set_ready(key, call)
         return call(*inputs)
     arrays = [bridge.to_kernel_argument(t) for t in inputs]
     _, _, _, avals, _, detect_races = key[:6]
@@ -306,32 +306,6 @@ def _cpu_call(kernel, inputs: tuple[torch.Tensor, ...]) -> Callable:
         return _to_torch(kernel(*[make(t) for make, t in zip(makers, tensors)]), export)
 
     return call
-
-
-class _ReadyCalls:
-    """Calls ready to run (a CPU kernel with its conversions), by call
-    signature: a repeated call of a shipped op skips the kernel's search
-    and the conversions' choice. Bounded as the compile cache is, and
-    emptied when it is cleared (its generation moves)."""
-
-    def __init__(self):
-        self._calls: dict[tuple, Callable] = {}
-        self._generation = compile_cache.compiled.generation
-
-    def get(self, signature: tuple) -> Callable | None:
-        if compile_cache.compiled.generation != self._generation:
-            return None
-        return self._calls.get(signature)
-
-    def put(self, signature: tuple, call: Callable) -> None:
-        generation = compile_cache.compiled.generation
-        if generation != self._generation or len(self._calls) >= compile_cache.MAX_ENTRIES:
-            self._calls = {}
-            self._generation = generation
-        self._calls[signature] = call
-
-
-_ready = _ReadyCalls()
 
 
 def cpu_kernel(op: str, inputs: tuple[torch.Tensor, ...],

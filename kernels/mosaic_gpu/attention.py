@@ -49,26 +49,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from torch_pallas.kernels.attention_shapes import (attention_dims, dropout_param,
-                                                   optional_operands)
+from torch_pallas.kernels.attention_shapes import optional_operands
+from torch_pallas.kernels.mosaic_gpu import attention_launch
 from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     LOG2E,
-    SUPPORTED_DTYPES,
-    Target,
+    PROGRAMS_AXIS,
     fits_smem,
     itemsize,
     mask_view,
-    pad_rows,
     padded_head_dim,
     WARPGROUP_AXIS,
     dropout_factors,
-    thread_axes,
     tile_pipeline,
     tile_transforms,
     visible,
     warpgroup,
 )
-from torch_pallas.kernels.shapes import cdiv, round_up
+from torch_pallas.kernels.shapes import cdiv
 from torch_pallas.kernels.spec import KernelSpec
 
 
@@ -113,14 +110,13 @@ class AttentionConfig:
             fixed += rows * 4
         return fixed + self.max_concurrent_steps * per_step
 
+    def fits(self, dtype, head_dim: int, value_dim: int, mask_dtype=None,
+             dropout: bool = False) -> bool:
+        return fits_smem(self.smem_bytes(dtype, head_dim, value_dim, mask_dtype, dropout))
+
     def check(self, dtype, head_dim: int, value_dim: int, mask_dtype=None,
               dropout: bool = False) -> None:
-        if self.block_q % 64 or self.block_kv % 64:
-            raise ValueError(f"attention: {self} needs block_q and block_kv multiples of 64 "
-                             "(wgmma rows, 128-byte swizzle of 16-bit tiles)")
-        if self.compute_wgs not in (1, 2) or (self.compute_wgs > 1 and not self.warp_specialized):
-            raise ValueError(f"attention: {self} needs 1 or 2 compute warpgroups, 1 "
-                             "without warp specialization")
+        attention_launch.check_tiles("attention", self)
         nbytes = self.smem_bytes(dtype, head_dim, value_dim, mask_dtype, dropout)
         if not fits_smem(nbytes):
             raise ValueError(f"attention: {self} needs {nbytes} bytes of shared memory for "
@@ -243,7 +239,7 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
     def scoped(allocations, q_tiles, o_tiles, p_tiles, keys_tiles, q_barriers):
         o_tiles = q_tiles if o_tiles is None else o_tiles  # Q's tile is free after the loop
 
-        @plgpu.nd_loop((batch, q_heads, q_blocks), collective_axes="programs")
+        @plgpu.nd_loop((batch, q_heads, q_blocks), collective_axes=PROGRAMS_AXIS)
         def _(loop):
             b, h, qi = loop.index
             if causal:  # the longest tiles first: programs finish closer together
@@ -271,41 +267,19 @@ def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionC
     q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) in float16 or
     bfloat16; `optional`: [mask (Bm, Hm, L, S)][, dropout keys (B, Hq, L)].
     o (B, Hq, L, Ev) in q's dtype, lse (B, Hq, L) float32."""
-    mask, keys = optional_operands(optional, dropout_p)
-    dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
-    if jnp.dtype(q.dtype).name not in SUPPORTED_DTYPES or not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"attention (mosaic_gpu): q, k, v are {q.dtype}, {k.dtype}, {v.dtype}; "
-                         f"the kernel takes one of {SUPPORTED_DTYPES}")
-    config.check(q.dtype, dims.head_dim, dims.value_dim, None if mask is None else mask.dtype,
-                 keys is not None)
-    target = Target.of(interpret)
-    lp, sp = round_up(dims.q_len, config.block_rows), round_up(dims.kv_len, config.block_kv)
-    e, ev = padded_head_dim(dims.head_dim), padded_head_dim(dims.value_dim)
-    q = pad_rows(q, lp, e)
-    k = pad_rows(k, sp, e)
-    v = pad_rows(v, sp, ev)
-    if not target.hardware:
-        k = jnp.swapaxes(k, 2, 3)  # Kᵀ tiles, read as stored (see attention_blocks)
-    operands = [q, k, v]
-    if mask is not None:
-        operands.append(pad_rows(mask, lp, sp))
-    if keys is not None:
-        operands.append(pad_rows(keys, lp))
+    launch = attention_launch.prologue(
+        "attention", q, k, v, optional, scale=scale, causal=causal, dropout_p=dropout_p,
+        config=config, interpret=interpret, row_tile=config.block_rows, key_tile=config.block_kv)
+    # In the simulator Kᵀ tiles, read as stored (see attention_blocks).
+    k = launch.k if launch.target.hardware else jnp.swapaxes(launch.k, 2, 3)
+    dims, lp = launch.dims, launch.lp
     b, hq = dims.batch, dims.q_heads
-    tiles = b * hq * (lp // config.block_rows)
     o, lse = plgpu.kernel(
-        functools.partial(
-            attention_kernel, scale=float(scale), causal=bool(causal), kv_len=dims.kv_len,
-            group=dims.group, has_mask=mask is not None, target=target, config=config,
-            **dropout_param(dropout_p),
-        ),
-        out_type=(jax.ShapeDtypeStruct((b, hq, lp, ev), q.dtype),
+        functools.partial(attention_kernel, **launch.static),
+        out_type=(jax.ShapeDtypeStruct((b, hq, lp, launch.ev), q.dtype),
                   jax.ShapeDtypeStruct((b, hq, lp), jnp.float32)),
-        grid=(min(tiles, config.num_programs or tiles),),
-        grid_names=("programs",),
-        **thread_axes(config.warp_specialized, config.compute_wgs),
-        interpret=interpret,
-    )(*operands)
+        **launch.kernel_options(b * hq * (lp // config.block_rows)),
+    )(launch.q, k, launch.v, *launch.optional)
     return o[:, :, :dims.q_len, :dims.value_dim], lse[:, :, :dims.q_len]
 
 
@@ -326,36 +300,22 @@ def candidates(q_len: int, warp_specialized: bool = True) -> tuple[AttentionConf
 def config_for(dtype, q_len: int, head_dim: int, value_dim: int, mask_dtype=None,
                warp_specialized: bool = True, dropout: bool = False) -> AttentionConfig:
     """The first candidate that fits a Hopper block's shared memory."""
-    for config in candidates(q_len, warp_specialized):
-        if fits_smem(config.smem_bytes(dtype, head_dim, value_dim, mask_dtype, dropout)):
-            return config
-    raise ValueError(f"attention: no configuration fits head dims {head_dim}/{value_dim}")
+    return attention_launch.first_fitting("attention", candidates(q_len, warp_specialized),
+                                          dtype, head_dim, value_dim, mask_dtype, dropout)
 
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     """Per query length, head dims and mask dtype (the shared memory they
-    need). On a GPU warp-specialized, one program per SM of `device`; in
-    the simulator one warpgroup doing both jobs (see
-    attention_blocks.tile_pipeline) with the same tiles, on one program
-    (which the simulator compiles once)."""
-    (q_shape, dtype), (k_shape, _), (v_shape, _) = avals[:3]
-    mask, keys = optional_operands(avals[3:], params.get("dropout_p", 0.0))
-    if dtype not in SUPPORTED_DTYPES:
-        return AttentionConfig.default(backend)
-    hardware = backend == "mosaic_gpu"
-    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1],
-                        None if mask is None else mask[1], warp_specialized=hardware,
-                        dropout=keys is not None)
-    programs = getattr(device, "core_count", None) if hardware else 1
-    return dataclasses.replace(config, num_programs=programs)
+    need); warp-specialized on one program per SM of `device` on a GPU, one
+    warpgroup on one program in the simulator (attention_launch.config_for_call).
+    The avals: q, k, v, then the optional operands."""
+    return attention_launch.config_for_call(backend, avals, params, device, optional_at=3,
+                                            config_for=config_for,
+                                            default=AttentionConfig.default)
 
 
 def unsupported(backend: str, avals, params) -> str | None:
-    dtype = avals[0][1]
-    if dtype not in SUPPORTED_DTYPES:
-        return (f"computes attention on the Tensor Cores in float16 or bfloat16 only; q is "
-                f"{dtype} (wgmma would read float32 as TF32)")
-    return None
+    return attention_launch.refusal("attention", avals)
 
 
 KERNEL = KernelSpec(run=attention, default_config=AttentionConfig.default,

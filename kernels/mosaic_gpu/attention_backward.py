@@ -50,12 +50,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from torch_pallas.kernels.attention_shapes import (attention_dims, dropout_param,
-                                                   optional_operands)
+from torch_pallas.kernels.attention_shapes import optional_operands
+from torch_pallas.kernels.mosaic_gpu import attention_launch
 from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     LOG2E,
-    SUPPORTED_DTYPES,
-    Target,
+    PROGRAMS_AXIS,
     fits_smem,
     itemsize,
     mask_view,
@@ -63,13 +62,12 @@ from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     padded_head_dim,
     WARPGROUP_AXIS,
     dropout_factors,
-    thread_axes,
     tile_pipeline,
     tile_transforms,
     visible,
     warpgroup,
 )
-from torch_pallas.kernels.shapes import cdiv, round_up
+from torch_pallas.kernels.shapes import cdiv
 from torch_pallas.kernels.spec import KernelSpec
 
 
@@ -110,14 +108,14 @@ class BackwardConfig:
         dq = wgs * (bq * (e + ev) * size + rows) + steps * (bk * (e + ev) * size + mask)
         return {"dkv": dkv, "dq": dq}
 
+    def fits(self, dtype, head_dim: int, value_dim: int, mask_dtype=None,
+             dropout: bool = False) -> bool:
+        return all(fits_smem(n) for n in
+                   self.smem_bytes(dtype, head_dim, value_dim, mask_dtype, dropout).values())
+
     def check(self, dtype, head_dim: int, value_dim: int, mask_dtype=None,
               dropout: bool = False) -> None:
-        if self.block_q % 64 or self.block_kv % 64:
-            raise ValueError(f"attention backward: {self} needs block_q and block_kv "
-                             "multiples of 64 (wgmma rows, 128-byte swizzle of 16-bit tiles)")
-        if self.compute_wgs not in (1, 2) or (self.compute_wgs > 1 and not self.warp_specialized):
-            raise ValueError(f"attention backward: {self} needs 1 or 2 compute warpgroups, 1 "
-                             "without warp specialization")
+        attention_launch.check_tiles("attention backward", self)
         for kernel, nbytes in self.smem_bytes(dtype, head_dim, value_dim, mask_dtype,
                                               dropout).items():
             if not fits_smem(nbytes):
@@ -274,7 +272,7 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
             dk_tiles, dv_tiles = k_tiles, v_tiles
         scratch = (k_tiles, v_tiles, pt_tiles, dst_tiles, (dk_tiles, dv_tiles), barriers)
 
-        @plgpu.nd_loop((batch, kv_heads, key_tiles), collective_axes="programs")
+        @plgpu.nd_loop((batch, kv_heads, key_tiles), collective_axes=PROGRAMS_AXIS)
         def _(loop):
             b, kv_head, kj = loop.index  # causal: the first key tiles are the longest
             run, gmem = pipeline(b, kv_head, kj, scratch)
@@ -409,7 +407,7 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
         return run, gmem
 
     def scoped(allocations, *scratch):
-        @plgpu.nd_loop((batch, q_heads, q_tiles_n), collective_axes="programs")
+        @plgpu.nd_loop((batch, q_heads, q_tiles_n), collective_axes=PROGRAMS_AXIS)
         def _(loop):
             b, h, qi = loop.index
             if causal:  # the longest tiles first
@@ -440,55 +438,34 @@ def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: boo
     Hq, L) float32 as the forward returned it; `optional`: [mask (Bm, Hm, L,
     S)][, dropout keys (B, Hq, L)]. dk, dv are summed over the query heads
     sharing each key/value head."""
-    mask, keys = optional_operands(optional, dropout_p)
-    dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
-    if jnp.dtype(q.dtype).name not in SUPPORTED_DTYPES or not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"attention backward (mosaic_gpu): q, k, v are {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}; the kernel takes one of {SUPPORTED_DTYPES}")
-    config.check(q.dtype, dims.head_dim, dims.value_dim, None if mask is None else mask.dtype,
-                 keys is not None)
-    target = Target.of(interpret)
     wgs = config.compute_wgs
     # Whole tiles of both kernels: dQ's query rows, dK/dV's keys.
-    lp = round_up(dims.q_len, wgs * config.block_q)
-    sp = round_up(dims.kv_len, wgs * config.block_kv)
-    e, ev = padded_head_dim(dims.head_dim), padded_head_dim(dims.value_dim)
+    launch = attention_launch.prologue(
+        "attention backward", q, k, v, optional, scale=scale, causal=causal,
+        dropout_p=dropout_p, config=config, interpret=interpret,
+        row_tile=wgs * config.block_q, key_tile=wgs * config.block_kv)
+    dims, lp, sp, e, ev = launch.dims, launch.lp, launch.sp, launch.e, launch.ev
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     lse2 = pad_rows(lse.astype(jnp.float32) * LOG2E, lp, value=jnp.inf)  # padded rows: P = 0
     delta = pad_rows(delta, lp)
-    q, do = pad_rows(q, lp, e), pad_rows(do, lp, ev)
-    k, v = pad_rows(k, sp, e), pad_rows(v, sp, ev)
+    q, k, v, do = launch.q, launch.k, launch.v, pad_rows(do, lp, ev)
     kt, vt = jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)
-    masks = [] if mask is None else [pad_rows(mask, lp, sp)]
-    if keys is not None:  # after the mask, as the kernels read them
-        masks.append(pad_rows(keys, lp))
+    hardware = launch.target.hardware
     b, hq, hkv = dims.batch, dims.q_heads, dims.kv_heads
-    static = dict(scale=float(scale), causal=bool(causal), kv_len=dims.kv_len, group=dims.group,
-                  has_mask=mask is not None, target=target, config=config,
-                  **dropout_param(dropout_p))
-
-    def grid(tiles):
-        return (min(tiles, config.num_programs or tiles),)
 
     dk, dv = plgpu.kernel(
-        functools.partial(dkv_kernel, **static),
+        functools.partial(dkv_kernel, **launch.static),
         out_type=(jax.ShapeDtypeStruct((b, hkv, sp, e), q.dtype),
                   jax.ShapeDtypeStruct((b, hkv, sp, ev), q.dtype)),
-        grid=grid(b * hkv * (sp // (wgs * config.block_kv))),
-        grid_names=("programs",),
-        **thread_axes(config.warp_specialized, wgs),
-        interpret=interpret,
-    )(q, k if target.hardware else kt, v if target.hardware else vt, do, lse2, delta, *masks)
+        **launch.kernel_options(b * hkv * (sp // (wgs * config.block_kv))),
+    )(q, k if hardware else kt, v if hardware else vt, do, lse2, delta, *launch.optional)
 
-    transposed = [] if target.hardware else [kt, vt]
+    transposed = [] if hardware else [kt, vt]
     dq = plgpu.kernel(
-        functools.partial(dq_kernel, **static),
+        functools.partial(dq_kernel, **launch.static),
         out_type=jax.ShapeDtypeStruct((b, hq, lp, e), q.dtype),
-        grid=grid(b * hq * (lp // (wgs * config.block_q))),
-        grid_names=("programs",),
-        **thread_axes(config.warp_specialized, wgs),
-        interpret=interpret,
-    )(q, k, v, do, lse2, delta, *transposed, *masks)
+        **launch.kernel_options(b * hq * (lp // (wgs * config.block_q))),
+    )(q, k, v, do, lse2, delta, *transposed, *launch.optional)
     return (dq[:, :, :dims.q_len, :dims.head_dim], dk[:, :, :dims.kv_len, :dims.head_dim],
             dv[:, :, :dims.kv_len, :dims.value_dim])
 
@@ -508,37 +485,23 @@ def candidates(q_len: int, warp_specialized: bool = True) -> tuple[BackwardConfi
 
 def config_for(dtype, q_len: int, head_dim: int, value_dim: int, mask_dtype=None,
                warp_specialized: bool = True, dropout: bool = False) -> BackwardConfig:
-    for config in candidates(q_len, warp_specialized):
-        if all(fits_smem(n) for n in
-               config.smem_bytes(dtype, head_dim, value_dim, mask_dtype, dropout).values()):
-            return config
-    raise ValueError(f"attention backward: no configuration fits head dims "
-                     f"{head_dim}/{value_dim}")
+    """The first candidate whose kernels both fit a Hopper block's shared memory."""
+    return attention_launch.first_fitting("attention backward",
+                                          candidates(q_len, warp_specialized), dtype, head_dim,
+                                          value_dim, mask_dtype, dropout)
 
 
 def select_config(backend: str, avals, params, device=None) -> BackwardConfig:
     """Per query length, head dims and mask dtype (the shared memory they
-    need). On a GPU warp-specialized, one program per SM of `device`; in
-    the simulator one warpgroup doing both jobs with the same tiles, on one
-    program."""
-    (q_shape, dtype), (k_shape, _), (v_shape, _) = avals[:3]
-    mask, keys = optional_operands(avals[6:], params.get("dropout_p", 0.0))
-    if dtype not in SUPPORTED_DTYPES:
-        return BackwardConfig.default(backend)
-    hardware = backend == "mosaic_gpu"
-    config = config_for(dtype, q_shape[2], k_shape[-1], v_shape[-1],
-                        None if mask is None else mask[1], warp_specialized=hardware,
-                        dropout=keys is not None)
-    programs = getattr(device, "core_count", None) if hardware else 1
-    return dataclasses.replace(config, num_programs=programs)
+    need), as the forward's (attention_launch.config_for_call). The avals:
+    q, k, v, o, do, lse, then the optional operands."""
+    return attention_launch.config_for_call(backend, avals, params, device, optional_at=6,
+                                            config_for=config_for,
+                                            default=BackwardConfig.default)
 
 
 def unsupported(backend: str, avals, params) -> str | None:
-    dtype = avals[0][1]
-    if dtype not in SUPPORTED_DTYPES:
-        return (f"computes attention's gradients on the Tensor Cores in float16 or bfloat16 "
-                f"only; q is {dtype} (wgmma would read float32 as TF32)")
-    return None
+    return attention_launch.refusal("attention's gradients", avals)
 
 
 KERNEL = KernelSpec(run=attention_backward, default_config=BackwardConfig.default,

@@ -196,6 +196,8 @@ def tile_pipeline(body, *, warp_specialized: bool, grid, in_specs, max_concurren
 
 
 WARPGROUP_AXIS = "wg"
+# The persistent grid's axis: the kernels' `plgpu.nd_loop`s share their tiles over it.
+PROGRAMS_AXIS = "programs"
 
 
 def warpgroup(warp_specialized: bool):

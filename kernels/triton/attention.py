@@ -311,6 +311,65 @@ def broadcast_stride(t, dim: int) -> int:
     return t.stride(dim) if t.shape[dim] > 1 else 0
 
 
+# The launch prologue the forward and backward share: `name` is the entry
+# point's, for errors.
+
+def check_dtypes(name: str, **tensors) -> None:
+    """Refuse `tensors` (q first) unless they share one of SUPPORTED_DTYPES."""
+    q = next(iter(tensors.values()))
+    dtypes = [t.dtype for t in tensors.values()]
+    if len(set(dtypes)) > 1 or str(q.dtype).removeprefix("torch.") not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name}: {', '.join(tensors)} must share one dtype of "
+                         f"{SUPPORTED_DTYPES}, got {', '.join(map(str, dtypes))}")
+
+
+def check_head_dims_and_mask(name: str, dims, q, mask) -> None:
+    """Refuse head dims past MAX_HEAD_DIM, and a mask neither float32 nor in q's dtype."""
+    if max(dims.head_dim, dims.value_dim) > MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head dims E={dims.head_dim}, Ev={dims.value_dim} "
+                         f"exceed {MAX_HEAD_DIM}")
+    if mask is not None and mask.dtype not in (torch.float32, q.dtype):
+        raise ValueError(f"{name}: mask dtype {mask.dtype} is neither float32 nor q's {q.dtype}")
+
+
+def mask_arguments(mask, q) -> tuple:
+    """The kernels' mask argument and its four strides, 0 along a broadcast
+    batch or head dimension (q and zeros, never read, without a mask)."""
+    if mask is None:
+        return q, (0, 0, 0, 0)
+    return mask, (broadcast_stride(mask, 0), broadcast_stride(mask, 1), mask.stride(2),
+                  mask.stride(3))
+
+
+def size_arguments(dims, scale: float) -> tuple:
+    """The kernels' L, S, E, Ev, GROUP, scale, L_BUCKET, S_BUCKET."""
+    l, s = dims.q_len, dims.kv_len
+    return (l, s, dims.head_dim, dims.value_dim, dims.group, float(scale), length_bucket(l),
+            length_bucket(s))
+
+
+def kernel_constexprs(dims, q, mask, keys, *, causal: bool, precision: str) -> dict:
+    """The constexprs every attention kernel takes."""
+    return dict(
+        HAS_MASK=mask is not None, CAUSAL=bool(causal), DROPOUT=keys is not None,
+        BLOCK_E=head_block(dims.head_dim), BLOCK_EV=head_block(dims.value_dim),
+        # Upcasting bfloat16 operands to float32 is exact (interpreter_safe_dtype).
+        UPCAST=interpreter_safe_dtype(q.dtype) != q.dtype,
+        INPUT_PRECISION=precision,
+    )
+
+
+def launch(kernel, autotuned, grid, args, meta: dict, *, config, itemsize: int, wrap) -> None:
+    """kernel[grid](*args, **meta) under `wrap`: with `config.autotune` its
+    autotuner for these head tiles (`autotuned(BLOCK_E, BLOCK_EV, itemsize)`),
+    else with the config's blocks, warps and stages."""
+    if config.autotune:
+        wrap(autotuned(meta["BLOCK_E"], meta["BLOCK_EV"], itemsize))[grid](*args, **meta)
+    else:
+        wrap(kernel)[grid](*args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                           num_warps=config.num_warps, num_stages=config.num_stages)
+
+
 def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionConfig,
               wrap=direct, dropout_p: float = 0.0):
     """(o, lse) of the canonical attention call (kernels/attention_shapes.py)
@@ -318,50 +377,27 @@ def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionC
     (B, Hq, L) float32; `optional`: [mask][, dropout keys]."""
     mask, keys = optional_operands(optional, dropout_p)
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
-    if not (q.dtype == k.dtype == v.dtype) or str(q.dtype).removeprefix("torch.") not in SUPPORTED_DTYPES:
-        raise ValueError(f"attention (triton): q, k, v must share one dtype of {SUPPORTED_DTYPES}, "
-                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
-    if max(dims.head_dim, dims.value_dim) > MAX_HEAD_DIM:
-        raise ValueError(f"attention (triton): head dims E={dims.head_dim}, Ev={dims.value_dim} "
-                         f"exceed {MAX_HEAD_DIM}")
-    if mask is not None and mask.dtype not in (torch.float32, q.dtype):
-        raise ValueError(f"attention (triton): mask dtype {mask.dtype} is neither float32 nor "
-                         f"q's {q.dtype}")
-    b, hq, l, s = dims.batch, dims.q_heads, dims.q_len, dims.kv_len
+    name = "attention (triton)"
+    check_dtypes(name, q=q, k=k, v=v)
+    check_head_dims_and_mask(name, dims, q, mask)
+    b, hq, l = dims.batch, dims.q_heads, dims.q_len
     o = torch.empty((b, hq, l, dims.value_dim), dtype=interpreter_safe_dtype(q.dtype),
                     device=q.device)
     lse = torch.empty((b, hq, l), dtype=torch.float32, device=q.device)
-    if mask is None:
-        mask_arg, mask_strides = q, (0, 0, 0, 0)  # never read (HAS_MASK=False)
-    else:
-        mask_arg = mask
-        mask_strides = (broadcast_stride(mask, 0), broadcast_stride(mask, 1),
-                        mask.stride(2), mask.stride(3))
+    mask_arg, mask_strides = mask_arguments(mask, q)
     args = (
         q, k, v, mask_arg, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *o.stride(), *lse.stride(),
         *dropout_arguments(keys, q, dropout_p),
-        hq, l, s, dims.head_dim, dims.value_dim, dims.group, float(scale),
-        length_bucket(l), length_bucket(s),
+        hq, *size_arguments(dims, scale),
     )
-    meta = dict(
-        HAS_MASK=mask is not None, CAUSAL=bool(causal), DROPOUT=keys is not None,
-        BLOCK_E=head_block(dims.head_dim), BLOCK_EV=head_block(dims.value_dim),
-        # Upcasting bfloat16 operands to float32 is exact (interpreter_safe_dtype).
-        UPCAST=interpreter_safe_dtype(q.dtype) != q.dtype,
-        INPUT_PRECISION=config.precision,
-    )
+    meta = kernel_constexprs(dims, q, mask, keys, causal=causal, precision=config.precision)
 
     def grid(meta):
         return (triton.cdiv(l, meta["BLOCK_M"]), b * hq)
 
-    if config.autotune:
-        kernel = attention_kernel_autotuned(meta["BLOCK_E"], meta["BLOCK_EV"], q.element_size())
-        wrap(kernel)[grid](*args, **meta)
-    else:
-        wrap(attention_kernel)[grid](*args, **meta, BLOCK_M=config.block_m,
-                                     BLOCK_N=config.block_n, num_warps=config.num_warps,
-                                     num_stages=config.num_stages)
+    launch(attention_kernel, attention_kernel_autotuned, grid, args, meta, config=config,
+           itemsize=q.element_size(), wrap=wrap)
     return (o if o.dtype == q.dtype else o.to(q.dtype)), lse
 
 

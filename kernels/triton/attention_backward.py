@@ -42,21 +42,22 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch_pallas.kernels.attention_shapes import (MAX_HEAD_DIM, attention_dims,
-                                                   optional_operands)
+from torch_pallas.kernels.attention_shapes import attention_dims, optional_operands
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.triton import direct, interpreter_safe_dtype, interpreting
 from torch_pallas.kernels.triton.attention import (
     AUTOTUNE_KEY,
     LOG2E,
-    SUPPORTED_DTYPES,
-    broadcast_stride,
+    check_dtypes,
+    check_head_dims_and_mask,
     dropout_arguments,
     dropout_factors,
     fitting_configs,
-    head_block,
-    length_bucket,
+    kernel_constexprs,
+    launch,
+    mask_arguments,
     round_to_bfloat16,
+    size_arguments,
     unsupported,
 )
 
@@ -374,10 +375,7 @@ def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: boo
     mask, keys = optional_operands(optional, dropout_p)
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     name = "attention backward (triton)"
-    if (not (q.dtype == k.dtype == v.dtype == o.dtype == do.dtype)
-            or str(q.dtype).removeprefix("torch.") not in SUPPORTED_DTYPES):
-        raise ValueError(f"{name}: q, k, v, o, do must share one dtype of {SUPPORTED_DTYPES}, "
-                         f"got {q.dtype}, {k.dtype}, {v.dtype}, {o.dtype}, {do.dtype}")
+    check_dtypes(name, q=q, k=k, v=v, o=o, do=do)
     b, hq, hkv, l, s = dims.batch, dims.q_heads, dims.kv_heads, dims.q_len, dims.kv_len
     e, ev = dims.head_dim, dims.value_dim
     if tuple(o.shape) != (b, hq, l, ev) or tuple(do.shape) != (b, hq, l, ev):
@@ -385,10 +383,7 @@ def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: boo
                          f"{(b, hq, l, ev)}")
     if tuple(lse.shape) != (b, hq, l) or lse.dtype != torch.float32:
         raise ValueError(f"{name}: lse {tuple(lse.shape)} {lse.dtype} must be {(b, hq, l)} float32")
-    if max(e, ev) > MAX_HEAD_DIM:
-        raise ValueError(f"{name}: head dims E={e}, Ev={ev} exceed {MAX_HEAD_DIM}")
-    if mask is not None and mask.dtype not in (torch.float32, q.dtype):
-        raise ValueError(f"{name}: mask dtype {mask.dtype} is neither float32 nor q's {q.dtype}")
+    check_head_dims_and_mask(name, dims, q, mask)
 
     out_dtype = interpreter_safe_dtype(q.dtype)
     delta = torch.empty((b, hq, l), dtype=torch.float32, device=q.device)
@@ -396,50 +391,34 @@ def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: boo
     dk = torch.empty((b, hkv, s, e), dtype=out_dtype, device=q.device)
     dv = torch.empty((b, hkv, s, ev), dtype=out_dtype, device=q.device)
 
-    block_e, block_ev = head_block(e), head_block(ev)
+    meta = kernel_constexprs(dims, q, mask, keys, causal=causal, precision=config.precision)
+    block_ev = meta["BLOCK_EV"]
     delta_rows = min(128, max(16, config.delta_block // block_ev))
     wrap(attention_delta_kernel)[(triton.cdiv(l, delta_rows), b * hq)](
         o, do, delta, *o.stride(), *do.stride(), hq, l, ev,
         BLOCK_M=delta_rows, BLOCK_EV=block_ev,
     )
 
-    if mask is None:
-        mask_arg, mask_strides = q, (0, 0, 0, 0)  # never read (HAS_MASK=False)
-    else:
-        mask_arg = mask
-        mask_strides = (broadcast_stride(mask, 0), broadcast_stride(mask, 1),
-                        mask.stride(2), mask.stride(3))
+    mask_arg, mask_strides = mask_arguments(mask, q)
     operand_strides = (*q.stride(), *k.stride(), *v.stride(), *mask_strides, *do.stride(),
                        *lse.stride(), *dropout_arguments(keys, q, dropout_p))
-    sizes = (l, s, e, ev, dims.group, float(scale), length_bucket(l), length_bucket(s))
-    meta = dict(
-        HAS_MASK=mask is not None, CAUSAL=bool(causal), DROPOUT=keys is not None,
-        BLOCK_E=block_e, BLOCK_EV=block_ev,
-        UPCAST=out_dtype != q.dtype, INPUT_PRECISION=config.precision,
-    )
-    fixed = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                 num_warps=config.num_warps, num_stages=config.num_stages)
+    sizes = size_arguments(dims, scale)
+    launch_options = dict(config=config, itemsize=q.element_size(), wrap=wrap)
 
     def dkdv_grid(meta):
         return (triton.cdiv(s, meta["BLOCK_N"]), b * hkv)
 
     dkdv_args = (q, k, v, mask_arg, do, lse, delta, dk, dv, *operand_strides,
                  *dk.stride(), *dv.stride(), hkv, *sizes)
-    if config.autotune:
-        kernel = attention_dkdv_kernel_autotuned(block_e, block_ev, q.element_size())
-        wrap(kernel)[dkdv_grid](*dkdv_args, **meta)
-    else:
-        wrap(attention_dkdv_kernel)[dkdv_grid](*dkdv_args, **meta, **fixed)
+    launch(attention_dkdv_kernel, attention_dkdv_kernel_autotuned, dkdv_grid, dkdv_args, meta,
+           **launch_options)
 
     def dq_grid(meta):
         return (triton.cdiv(l, meta["BLOCK_M"]), b * hq)
 
     dq_args = (q, k, v, mask_arg, do, lse, delta, dq, *operand_strides, *dq.stride(), hq, *sizes)
-    if config.autotune:
-        kernel = attention_dq_kernel_autotuned(block_e, block_ev, q.element_size())
-        wrap(kernel)[dq_grid](*dq_args, **meta)
-    else:
-        wrap(attention_dq_kernel)[dq_grid](*dq_args, **meta, **fixed)
+    launch(attention_dq_kernel, attention_dq_kernel_autotuned, dq_grid, dq_args, meta,
+           **launch_options)
 
     if out_dtype != q.dtype:
         dq, dk, dv = dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype)

@@ -16,7 +16,7 @@ with its entry.
 
 from __future__ import annotations
 
-import collections
+import itertools
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -24,47 +24,67 @@ from typing import Any
 MAX_ENTRIES = 512
 
 
+class _Slot:
+    """A cached entry, the call made ready to run from it (or None), and
+    when it was last used (the cache's clock)."""
+
+    __slots__ = ("entry", "ready", "used")
+
+    def __init__(self, entry, used: int):
+        self.entry, self.ready, self.used = entry, None, used
+
+
 class CompileCache:
     def __init__(self, max_entries: int = MAX_ENTRIES):
         self.max_entries = max_entries
-        self._entries: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+        self._entries: dict[Hashable, _Slot] = {}
+        self._clock = itertools.count()
         self._lock = threading.Lock()
         self._building: dict[Hashable, threading.Lock] = {}
         self.builds = 0
-        # call signature -> (the entry's key, what the call resolved to)
-        self._resolved: dict[Hashable, tuple[Any, Hashable]] = {}
-        # an entry's key -> its call ready to run, where one was set
-        self._ready: dict[Hashable, Callable] = {}
+        # call signature -> (the entry's key, what the call resolved to, its slot)
+        self._resolved: dict[Hashable, tuple[Hashable, Any, _Slot]] = {}
         # Advances on clear(): what holders of an entry key it by.
         self.generation = 0
 
     def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        entry = self._entries.get(key)
+        slot = self._entries.get(key)
+        entry = None if slot is None else slot.entry
         if entry is not None:
-            self._used(key)
+            slot.used = next(self._clock)
             return entry
         with self._lock:
             key_lock = self._building.setdefault(key, threading.Lock())
         with key_lock:
-            entry = self._entries.get(key)
+            slot = self._entries.get(key)
+            entry = None if slot is None else slot.entry
             if entry is None:
                 entry = build()
                 with self._lock:
                     self.builds += 1
-                    self._entries[key] = entry
+                    self._entries[key] = _Slot(entry, next(self._clock))
                     while len(self._entries) > self.max_entries:
-                        evicted, _ = self._entries.popitem(last=False)
-                        self._ready.pop(evicted, None)
+                        self._evict()
                     self._building.pop(key, None)
         return entry
+
+    def _evict(self) -> None:
+        """Drops the least recently used entry (a scan: evictions come with
+        builds, which cost milliseconds), and the call made ready from it."""
+        oldest = min(self._entries, key=lambda key: self._entries[key].used)
+        slot = self._entries.pop(oldest)
+        slot.entry = slot.ready = None  # what signatures still hold: gone
 
     def remember_signature(self, signature: Hashable, key: Hashable, resolved: Any = None) -> None:
         """Files the entry under `key` also under a call `signature` that
         always resolves to it (with `resolved`, e.g. the backend chosen)."""
         with self._lock:
+            slot = self._entries.get(key)
+            if slot is None:
+                return
             if len(self._resolved) >= self.max_entries:
                 self._resolved.clear()
-            self._resolved[signature] = (key, resolved)
+            self._resolved[signature] = (key, resolved, slot)
 
     def lookup_signature(self, signature: Hashable) -> tuple[Hashable, Any, Any] | None:
         """(key, resolved, entry) filed under `signature`, if the entry is
@@ -72,43 +92,39 @@ class CompileCache:
         found = self._resolved.get(signature)
         if found is None:
             return None
-        entry = self._entries.get(found[0])
-        if entry is None:
+        key, resolved, slot = found
+        entry = slot.entry
+        if entry is None:  # evicted
             return None
-        self._used(found[0])
-        return (*found, entry)
+        slot.used = next(self._clock)
+        return key, resolved, entry
 
     def set_ready(self, key: Hashable, call: Callable) -> None:
         """Keeps `call`, the entry under `key` made ready to run, beside the
         entry while it is cached."""
         with self._lock:
-            if key in self._entries:
-                self._ready[key] = call
+            slot = self._entries.get(key)
+            if slot is not None:
+                slot.ready = call
 
     def ready(self, signature: Hashable) -> Callable | None:
         """The ready call of the entry filed under `signature`, if both
-        are still cached."""
+        are still cached: one lookup, by the call's signature."""
         found = self._resolved.get(signature)
         if found is None:
             return None
-        call = self._ready.get(found[0])
+        slot = found[2]
+        call = slot.ready
         if call is not None:
-            self._used(found[0])
+            slot.used = next(self._clock)
         return call
-
-    def _used(self, key: Hashable) -> None:
-        """Marks `key` as the most recently used: eviction takes the least
-        recently used entries."""
-        try:
-            self._entries.move_to_end(key)
-        except KeyError:  # evicted meanwhile by another thread
-            pass
 
     def clear(self) -> None:
         with self._lock:
+            for slot in self._entries.values():
+                slot.entry = slot.ready = None
             self._entries.clear()
             self._resolved.clear()
-            self._ready.clear()
             self.generation += 1
 
     def __len__(self) -> int:

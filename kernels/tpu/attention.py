@@ -152,8 +152,7 @@ def pipelined_attention(q, k, v, mask, keys, *, scale, causal, dropout_p, config
                         num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     lay, bq, bk = blocks_.pipelined_layout(dims, config)
-    operands = [lay.rows(q, lay.e), lay.kv(k, lay.e), lay.kv(v, lay.ev),
-                *lay.optional(mask, keys)]
+    operands = _operands(lay, q, k, v, mask, keys)
     o, lse = pl.kernel(
         functools.partial(pipelined_kernel, scale=scale, causal=causal, kv_len=dims.kv_len,
                           group=dims.group, num_cores=num_cores, block_k=bk,
@@ -166,6 +165,11 @@ def pipelined_attention(q, k, v, mask, keys, *, scale, causal, dropout_p, config
         interpret=interpret,
     )(*operands)
     return lay.row_result(o, dims.value_dim), lay.row_result(lse)
+
+
+def _operands(lay, q, k, v, mask, keys) -> list:
+    """Both bodies' operands, laid out by `lay`."""
+    return [lay.rows(q, lay.e), lay.kv(k, lay.e), lay.kv(v, lay.ev), *lay.optional(mask, keys)]
 
 
 # ---------------------------------------------------------------------------
@@ -271,8 +275,7 @@ def batched_attention(q, k, v, mask, keys, *, scale, causal, dropout_p, config, 
                       num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     lay, blocks = blocks_.batched_layout("attention", dims, config, num_cores)
-    operands = [lay.rows(q, lay.e), lay.kv(k, lay.e), lay.kv(v, lay.ev),
-                *lay.optional(mask, keys)]
+    operands = _operands(lay, q, k, v, mask, keys)
     o, lse = pl.kernel(
         functools.partial(batched_kernel, blocks=blocks, scale=scale, causal=causal,
                           kv_len=dims.kv_len, **dropout_param(dropout_p)),

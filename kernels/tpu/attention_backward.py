@@ -256,6 +256,7 @@ def _operands(lay, q, k, v, do, lse, delta, mask, keys) -> list:
 
 
 def _results(lay, dq, dk, dv):
+    """(dq, dk, dv) as the inputs are shaped: unpadded, ungrouped."""
     d = lay.dims
     return (lay.row_result(dq, d.head_dim), lay.kv_result(dk, d.head_dim),
             lay.kv_result(dv, d.value_dim))

@@ -12,11 +12,12 @@ Two bodies, chosen by the config:
   interpreter pays per grid step and per copied block, so the body reads
   (batch, kv-head, query-row) blocks straight from the operands, in a loop,
   and multiplies them with batched products (one XLA dot over every head in
-  the block); keys are taken in chunks with an online softmax when a block's
-  scores would exceed a cache-sized block. That bound keeps memory flat for
-  long sequences, and it keeps each block's scores in the CPU's caches (every
-  product and softmax pass over a block that does not fit is memory-bound
-  there; batched_blocks has the measurements). It never lowers for a TPU.
+  the block); keys are taken in chunks with an online softmax where the
+  rows are long (their scores would exceed a cache-sized block) or where
+  chunks ran faster (batched_blocks' bands of key counts, measured). The
+  bound keeps memory flat for long sequences, and it keeps each block's
+  scores in the CPU's caches (every product and softmax pass over a block
+  that does not fit is memory-bound there). It never lowers for a TPU.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def _even(n: int, most: int) -> int:
 
 
 def _band(bands, s: int):
+    """The most keys of a chunk for rows of `s` keys (None: all of them)."""
     return next(most for upto, most in bands if upto is None or s <= upto)
 
 
@@ -135,8 +137,9 @@ def batched_blocks(dims: AttentionDims, *, causal: bool = False,
       0.60-0.72x, 128 x 128 0.57-0.93x, 256 x 256 0.44-0.52x, 8 heads of
       256 x 256 0.44-0.49x, two heads of 256 x 128 0.41-0.45x.
     - L=S=320: every key 0.52x, 107-key chunks 0.44x. L=S=384: every
-      key, 2 or 1 heads, 0.53-0.65x; 128- and 192-key chunks 0.40-0.57x. L=S=512: every key, 2 or 1 heads, 0.73-0.79x;
-      256-key chunks 0.60-0.67x, 128-key ones 0.53-0.58x, 512 x 128 0.34x.
+      key, 2 or 1 heads, 0.53-0.65x; 128- and 192-key chunks 0.40-0.57x.
+      L=S=512: every key, 2 or 1 heads, 0.73-0.79x; 256-key chunks
+      0.60-0.67x, 128-key ones 0.53-0.58x, 512 x 128 0.34x.
     - L=S=768: 384 x 384 chunks 0.65x, 768 x 768 0.65x, 384 x 768 (every
       key) 0.53x. L=S=1024: 512 x 512 chunks 0.88x, every key 0.70-0.78x.
       L=S=2048 (B=2): 512 x 512 chunks 0.90x, 512 x 1024 0.73x.
@@ -149,7 +152,6 @@ def batched_blocks(dims: AttentionDims, *, causal: bool = False,
       torch, whole rows 0.48x and 0.72x. With 4 query heads a key/value
       head, at 512: 32 query rows (x 4 heads) 0.80x, 64 rows 0.87x, 128
       rows 0.58x.
-
     - backward (its five products per block), every key at once as far
       as 1024 keys and 2 MiB blocks: at 256, 8 heads of 256 x 256 22.2 ms,
       one head 25.4 ms, 256 x 128 chunks 21.0 ms; at 512, 2 heads 56.9 ms,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import os
 import shutil
 import subprocess
 import sys
@@ -15,12 +17,56 @@ def test_ops_and_kernels_install_inside_the_package(tmp_path):
     code = (
         "import importlib.util, torch_pallas.ops, torch_pallas.kernels.tpu.matmul, "
         "torch_pallas.kernels.mosaic_gpu.matmul; "
-        "print(importlib.util.find_spec('ops'), importlib.util.find_spec('kernels'))"
+        "spec = importlib.util.find_spec('kernels'); "
+        "print(importlib.util.find_spec('ops'), spec and spec.origin)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, check=True, capture_output=True, text=True
     ).stdout
-    assert out.split() == ["None", "None"]  # no top-level `ops` or `kernels`
+    ops, kernels = out.split()
+    assert ops == "None"  # no top-level `ops`
+    # no top-level `kernels` of ours (Hugging Face's distribution may be installed)
+    assert kernels == "None" or not Path(kernels).resolve().is_relative_to(ROOT)
+
+
+def _run_in_the_checkout(code: str, **env) -> subprocess.CompletedProcess:
+    """`python -c code` started in the checkout's root (on sys.path first)."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **env})
+
+
+def test_the_checkout_root_does_not_shadow_the_kernels_distribution():
+    """Started in the checkout, `kernels/` (torch_pallas.kernels) is the first
+    `kernels` on sys.path; Hugging Face's distribution of that name, which
+    transformers 5 imports, is loaded in its place, or none is found."""
+    try:
+        importlib.metadata.distribution("kernels")
+        installed = True
+    except importlib.metadata.PackageNotFoundError:
+        installed = False
+    done = _run_in_the_checkout(
+        "import transformers.models.llama.modeling_llama, kernels, sys; print(kernels.__file__)")
+    if installed:
+        assert done.returncode == 0, done.stderr
+        assert not Path(done.stdout.strip()).resolve().is_relative_to(ROOT)
+    else:
+        assert "ModuleNotFoundError: No module named 'kernels'" in done.stderr
+
+
+def test_the_kernels_folder_steps_aside_for_any_distribution(tmp_path):
+    """Whatever `kernels` comes later on sys.path is what `import kernels`
+    gives in the checkout; with none, ModuleNotFoundError (as elsewhere)."""
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("WHO = 'the distribution'\n")
+    found = _run_in_the_checkout("import kernels; print(kernels.WHO, kernels.__name__)",
+                                 PYTHONPATH=str(tmp_path))
+    assert found.stdout.split() == ["the", "distribution", "kernels"], found.stderr
+    hidden = tmp_path / "elsewhere"  # sys.path without any distribution of that name
+    hidden.mkdir()
+    missing = _run_in_the_checkout(
+        "import sys; sys.path[:] = [p for p in sys.path if 'packages' not in p]; import kernels",
+        PYTHONPATH=str(hidden))
+    assert "ModuleNotFoundError: No module named 'kernels'" in missing.stderr, missing.stderr
 
 
 def test_a_wheel_carries_every_module(tmp_path):

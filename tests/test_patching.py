@@ -238,6 +238,64 @@ def test_the_rotary_patch_reaches_only_the_patched_model(monkeypatch):
     torch.testing.assert_close(got, expected)
 
 
+def test_no_hub_kernel_routes_around_the_rotary_patch():
+    """transformers 5 with the `kernels` distribution routes a Llama
+    attention module's apply_rotary_pos_emb calls to the module's private
+    copy, which `kernels.kernelize` points at a hub kernel by setting its
+    forward: a patched module's calls never reach that copy, an unpatched
+    module's still do (and without `kernels`, the name is a plain function)."""
+    reference, ours, report = pair("llama", **{k: False for k in patching.KINDS if k != "rotary"})
+    assert report.rotary == 2
+    attention = ours.model.layers[0].self_attn
+    if not hasattr(attention, "_kernel_funcs"):  # transformers without kernels' routing
+        namespace = patching._innermost_forward(type(attention)).__globals__
+        assert callable(namespace[patching.ROTARY])
+        assert not isinstance(namespace[patching.ROTARY], torch.nn.Module)
+        return
+
+    def hub_kernel(self, *args, **kwargs):
+        raise AssertionError("routed to the hub kernel")
+
+    for model in (reference, ours):  # what kernelize does to each module's private copy
+        for layer in model.model.layers:
+            (private,) = layer.self_attn._kernel_funcs.values()  # the rotary's copy
+            private.forward = hub_kernel.__get__(private)
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        ours(input_ids=ids, attention_mask=mask)
+        with pytest.raises(AssertionError, match="routed to the hub kernel"):
+            reference(input_ids=ids, attention_mask=mask)
+
+
+def test_gpt_oss_sinks_leave_the_attention_alone():
+    """gpt-oss passes its attention sinks (`s_aux`) to the attention
+    function, which the Pallas attention does not compute: apply leaves the
+    model's attention on its own implementation and says why, and the
+    patched model's logits are the unpatched model's."""
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"])
+    reference = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():  # sinks that matter (a fresh model's are zeros)
+        for layer in reference.model.layers:
+            layer.self_attn.sinks.normal_()
+    ours = copy.deepcopy(reference)
+    report = torch_pallas.transformers.apply(ours)
+    assert report.attention == 0 and ours.config._attn_implementation == "eager"
+    assert any("self_attn (GptOssAttention): its attention passes s_aux=" in item
+               and "attention sinks" in item for item in report.left_alone), report.left_alone
+    assert report.rms_norm == 5 and report.linear > 0
+    ids, mask, _ = batch()
+    reference.eval(), ours.eval()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+        got = ours(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
+
+
 class OffsetRMSNorm(torch.nn.Module):
     """Gemma's form: normed * (1 + weight); not Llama's."""
 

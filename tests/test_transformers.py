@@ -167,3 +167,57 @@ def test_compiled_training_step_equals_eager(family):
     expected = dict(eager.named_parameters())
     for name, p in compiled.named_parameters():
         torch.testing.assert_close(p, expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def mistral_config(sliding_window):
+    return transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_a_binding_sliding_window_arrives_in_the_mask(padded):
+    """Mistral with a window of 5 over 13 tokens: the registered mask
+    function builds the window into the mask whenever it binds, so the
+    "pallas" logits are SDPA's (which gets the same mask)."""
+    reference, ours = pair(lambda: mistral_config(5))
+    ids, mask = left_padded_batch() if padded else (torch.randint(3, VOCAB, (2, 13)), None)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits
+        got = ours(input_ids=ids, attention_mask=mask).logits
+    real = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-4, rtol=1e-4)
+    # the window binds: without it the logits are others
+    unwindowed = transformers.AutoModelForCausalLM.from_config(
+        mistral_config(None), attn_implementation="sdpa").eval()
+    unwindowed.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        other = unwindowed(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(other[real], expected[real], atol=1e-3)
+
+
+def test_what_the_attention_does_not_compute_raises_by_name():
+    """Keywords that change the result and that the Pallas attention does
+    not compute raise ValueError naming them, never are ignored."""
+    q, k, v = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    module = torch.nn.Module()
+    module.is_causal = True
+    forward = torch_pallas.transformers.attention_forward
+    refused = {
+        "s_aux": dict(s_aux=torch.randn(4)),
+        "sinks": dict(sinks=torch.randn(4)),
+        "softcap": dict(softcap=50.0),
+        "sliding_window=3 over 6 keys": dict(sliding_window=3),
+        "cu_seq_lens_q of 2 packed sequences": dict(cu_seq_lens_q=torch.tensor([0, 2, 6]),
+                                                   cu_seq_lens_k=torch.tensor([0, 2, 6])),
+    }
+    for what, kwargs in refused.items():
+        with pytest.raises(ValueError, match=f"attn_implementation='pallas' does not support {what}"):
+            forward(module, q, k, v, None, **kwargs)
+    # A window that does not bind, None values, one packed sequence: nothing changes.
+    expected, _ = forward(module, q, k, v, None)
+    for kwargs in (dict(sliding_window=6), dict(s_aux=None, softcap=None),
+                   dict(cu_seq_lens_q=torch.tensor([0, 6]), cu_seq_lens_k=torch.tensor([0, 6]))):
+        got, _ = forward(module, q, k, v, None, **kwargs)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)

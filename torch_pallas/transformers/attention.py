@@ -16,6 +16,48 @@ from torch_pallas.ops.attention import attention as pallas_attention
 NAME = "pallas"
 
 
+# Keywords transformers 5 passes to an attention function that change its
+# result and that `pallas::attention` does not compute: refused by name (as
+# transformers' SDPA refuses softcap) rather than ignored.
+UNSUPPORTED = {
+    "softcap": "logit soft-capping (Gemma 2)",
+    "s_aux": "attention sinks (gpt-oss)",
+    "sinks": "attention sinks",
+    "indices": "a sparse selection of keys",
+    "block_indices": "a sparse selection of key blocks",
+}
+
+
+def unsupported(kwargs: dict) -> str | None:
+    """The first of `UNSUPPORTED` that these keywords set, said for an
+    error message (None: none)."""
+    for name, what in UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            return f"{name}={_short(kwargs[name])} ({what})"
+    return None
+
+
+def _unmasked(kwargs: dict, key_length: int) -> str | None:
+    """What these keywords ask of a call without a mask that the Pallas
+    attention does not compute (None: nothing). A sliding window changes
+    nothing where it does not bind (no more keys than the window), and the
+    mask carries it where it does (transformers' SDPA mask, registered with
+    this attention, is built with the window whenever it binds); packed
+    sequences (`cu_seq_lens_*`) likewise need their mask."""
+    window = kwargs.get("sliding_window")
+    if window is not None and key_length > window:
+        return f"sliding_window={window} over {key_length} keys without a mask"
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        sequences = kwargs.get(name)
+        if sequences is not None and sequences.numel() > 2:
+            return f"{name} of {sequences.numel() - 1} packed sequences without a mask"
+    return None
+
+
+def _short(value) -> str:
+    return f"<tensor of shape {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None,
                       dropout: float = 0.0, scaling: float | None = None,
@@ -23,10 +65,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs) -> tuple[torch.Tensor, None]:
     """An attention layer's computation, as transformers' interface calls it:
     query (B, H, L, D), key and value (B, Hkv, S, D); returns the output as
-    (B, L, H, Dv) and no attention weights."""
-    if kwargs.get("softcap") is not None:
+    (B, L, H, Dv) and no attention weights. Raises ValueError, naming the
+    keyword, for what it does not compute (`UNSUPPORTED`, a sliding window
+    or packed sequences that reach it without their mask)."""
+    why = unsupported(kwargs) or (_unmasked(kwargs, key.shape[2]) if attention_mask is None
+                                  else None)
+    if why is not None:
         raise ValueError(f"torch_pallas.transformers: attn_implementation={NAME!r} does not "
-                         f"support softcap={kwargs['softcap']}; use 'eager'")
+                         f"support {why}; use 'eager'")
     q_length = query.shape[2]
     # As transformers' SDPA path decides it: decoding (one query) and
     # explicit masks attend as the mask says.

@@ -68,12 +68,15 @@ and `replace_linear`); transformers only inside `apply`.
 
 from __future__ import annotations
 
+import ast
 import copy
 import dataclasses
 import functools
 import inspect
 import sys
+import textwrap
 import threading
+import types
 import typing
 import warnings
 
@@ -274,17 +277,66 @@ class _Checks:
 
 def _attention(model, checks: _Checks) -> int:
     """attn_implementation="pallas" for the modules that dispatch through
-    transformers' AttentionInterface (they read `config._attn_implementation`)."""
-    layers = [m for m in model.modules() if _calls(type(m), "ALL_ATTENTION_FUNCTIONS")]
+    transformers' AttentionInterface (they read `config._attn_implementation`),
+    unless one of them passes its attention function something the Pallas
+    attention does not compute (`attention.UNSUPPORTED`: gpt-oss's sinks, a
+    set softcap): the implementation is the model's, so the model's
+    attention is then left alone as a whole."""
+    layers = [(name, m) for name, m in model.named_modules()
+              if _calls(type(m), "ALL_ATTENTION_FUNCTIONS")]
     if not layers:
         return 0
     if not callable(getattr(model, "set_attn_implementation", None)):
         checks.leave_alone("", model, f"{len(layers)} attention modules, but the model has no "
                            "set_attn_implementation (pass a transformers PreTrainedModel)")
         return 0
+    for name, m in layers:
+        why = pallas_attention.unsupported(_attention_keywords(m))
+        if why is not None:
+            checks.leave_alone(name, m, f"its attention passes {why}, which the Pallas attention "
+                               f"does not compute; the model's {len(layers)} attention modules "
+                               "keep their implementation")
+            return 0
     pallas_attention.register()
     model.set_attn_implementation(pallas_attention.NAME)
     return len(layers)
+
+
+def _attention_keywords(module: torch.nn.Module) -> dict:
+    """The keywords `module`'s forward passes its attention function, with
+    their values where the forward reads them from the module (`self.sinks`)
+    or writes them out, as written in its modeling file; a keyword whose
+    value only the call knows is taken as set (Ellipsis)."""
+    forward = _innermost_forward(type(module))
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):  # no source: every keyword named in the code is set
+        code = getattr(forward, "__code__", None)
+        names = [c for c in getattr(code, "co_consts", ()) if isinstance(c, tuple)]
+        return {name: ... for names_ in names for name in names_ if isinstance(name, str)}
+    keywords = {}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "attention_interface"):
+            keywords.update((k.arg, _value_in(module, k.value)) for k in node.keywords if k.arg)
+    return keywords
+
+
+def _value_in(module: torch.nn.Module, node: ast.expr):
+    """A keyword's value as the forward computes it, where it is a constant
+    or an attribute of the module (`self.config.x`); Ellipsis otherwise."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    path = []
+    while isinstance(node, ast.Attribute):
+        path.append(node.attr)
+        node = node.value
+    if not (isinstance(node, ast.Name) and node.id == "self" and path):
+        return ...
+    value = module
+    for attribute in reversed(path):
+        value = getattr(value, attribute, None)
+    return value
 
 
 # --- RMSNorm and LayerNorm -----------------------------------------------------
@@ -371,17 +423,42 @@ _rotary_on = threading.local()
 
 def _rotary_dispatcher(original):
     """What a modeling file's `apply_rotary_pos_emb` becomes: `original`
-    (transformers' own), unless a patched attention module is running."""
+    (transformers' own, whatever it is wrapped in), unless a patched
+    attention module is running.
+
+    transformers 5 with the `kernels` distribution makes the name an
+    `nn.Module` (`@use_kernel_forward_from_hub`) that routes each call to
+    the calling attention module's private copy (`@use_kernelized_func` on
+    the class), which `kernels.kernelize` may point at a hub kernel. The
+    dispatcher is then one more module of that class with its forward
+    ours, so that it stands in front of the routing (a patched module's
+    calls never reach it: no hub kernel can route around the patch) and
+    still is what `kernels` expects under the name (a model's private
+    copies are made, deep-copied and unpickled as `type(name)()`)."""
+    if isinstance(original, torch.nn.Module):
+        dispatcher = type(original)()
+        vars(dispatcher)["torch_pallas_original"] = original  # not a submodule
+        dispatcher.forward = types.MethodType(_dispatch_rotary, dispatcher)
+        return dispatcher
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        # Partial rotary (cos narrower than the heads) stays transformers'.
-        if getattr(_rotary_on, "value", False) and cos.shape[-1] == q.shape[-1]:
-            return pallas_rotary_embedding(q, k, cos, sin, unsqueeze_dim)
-        return original(q, k, cos, sin, unsqueeze_dim)
+        return _rotary_or_original(original, q, k, cos, sin, unsqueeze_dim)
 
     apply_rotary_pos_emb.torch_pallas_original = original
     return apply_rotary_pos_emb
+
+
+def _dispatch_rotary(self, q, k, cos, sin, unsqueeze_dim=1):
+    """The module dispatcher's forward (see _rotary_dispatcher)."""
+    return _rotary_or_original(self.torch_pallas_original, q, k, cos, sin, unsqueeze_dim)
+
+
+def _rotary_or_original(original, q, k, cos, sin, unsqueeze_dim):
+    # Partial rotary (cos narrower than the heads) stays transformers'.
+    if getattr(_rotary_on, "value", False) and cos.shape[-1] == q.shape[-1]:
+        return pallas_rotary_embedding(q, k, cos, sin, unsqueeze_dim)
+    return original(q, k, cos, sin, unsqueeze_dim)
 
 
 @functools.cache
@@ -403,18 +480,29 @@ def _with_pallas_rotary(cls: type):
 
 
 def _is_rotate_half(function) -> bool:
-    """`function(q, k, cos, sin, unsqueeze_dim=1)` computes the rotate-half
-    embedding (Llama's), checked on random grouped-head inputs."""
+    """`function(q, k, cos, sin, unsqueeze_dim)` computes the rotate-half
+    embedding (Llama's), checked on random grouped-head inputs with the
+    heads at dimension 1 and at 2 (so a fifth argument meaning something
+    else fails). Judged by what it returns, not by its signature:
+    transformers 5 hands out the function wrapped in an `nn.Module` whose
+    forward takes `*args, **kwargs`."""
     if not callable(function):
         return False
-    parameters = list(inspect.signature(function).parameters.values())
-    if len(parameters) != 5 or parameters[4].name != "unsqueeze_dim" or parameters[4].default != 1:
-        return False
-    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
-    cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
-    with torch.no_grad():
-        got, expected = function(q, k, cos, sin, 1), torch_rotary_embedding(q, k, cos, sin, 1)
-    return all(_agree(g, e) for g, e in zip(got, expected))
+    # q and k (4 and 2 heads, 3 tokens) for each place of the heads.
+    shapes = {1: ((2, 4, 3, 8), (2, 2, 3, 8)), 2: ((2, 3, 4, 8), (2, 3, 2, 8))}
+    for unsqueeze_dim, (q_shape, k_shape) in shapes.items():
+        q, k = torch.randn(q_shape), torch.randn(k_shape)
+        cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+        with torch.no_grad():
+            try:
+                got = function(q, k, cos, sin, unsqueeze_dim)
+            except (TypeError, ValueError, RuntimeError, IndexError):  # another signature
+                return False
+            expected = torch_rotary_embedding(q, k, cos, sin, unsqueeze_dim)
+        if not (isinstance(got, tuple) and len(got) == 2
+                and all(_agree(g, e) for g, e in zip(got, expected))):
+            return False
+    return True
 
 
 def _install_rotary_dispatcher(namespace: dict) -> bool:

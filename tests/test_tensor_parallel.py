@@ -10,7 +10,7 @@ each way of wrapping the model and each plan (VARIANTS):
 - the eval logits, the training loss (`model(input_ids, labels=labels)`)
   and every parameter's gradient (DTensor gradients gathered whole) equal
   the one process's within float32 rounding;
-- the forward's collectives (CommDebugMode) are the plan's own: the
+- the forward's collectives (as the local tensors see them) are the plan's own: the
   all-reduce of each RowwiseParallel layer, or with sequence parallelism
   its reduce-scatter and the all-gather of the activations before each
   ColwiseParallel block; and no collective, forward or backward, moves a
@@ -54,11 +54,12 @@ The variants (each a wrapping, a plan and a loss):
   `aten._scaled_dot_product_flash_attention_for_cpu` "does not have a
   sharding strategy registered".)
 
-CommDebugMode wraps the eval forward only: it registers a global full
-backward pre-hook, under which every module's output comes back as a new
-tensor (BackwardHookFunction), and apply's fused loss takes the LM head's
-for a changed output and raises (so does any full backward hook on the LM
-head). The training step's collectives are recorded by LocalCalls alone.
+The collectives are counted by LocalCalls (below), not torch's
+CommDebugMode: its module tracker registers a forward hook on each call of
+a module and pops its stack once per hook, so a module called more than
+once in a forward breaks it (IndexError); transformers 5 calls
+`apply_rotary_pos_emb`, an nn.Module with the `kernels` distribution
+installed, in every layer, patched or not.
 
 All of it runs in one spawn (each process imports JAX and torch), in one
 test (under the project's `-n auto` a module fixture would spawn once per
@@ -257,7 +258,6 @@ def parallel_model(variant: Variant, mesh, state: dict) -> torch.nn.Module:
 
 
 def _run_variant(variant: Variant, mesh, state: dict, input_ids, labels) -> dict:
-    from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.experimental import implicit_replication
     from torch.distributed.tensor.parallel import loss_parallel
 
@@ -265,10 +265,9 @@ def _run_variant(variant: Variant, mesh, state: dict, input_ids, labels) -> dict
     context = implicit_replication if variant.implicit_replication else contextlib.nullcontext
     seen: dict = {}
 
-    comms, eval_calls = CommDebugMode(), LocalCalls()
-    with torch.no_grad(), context(), comms, eval_calls:
+    eval_calls = LocalCalls()
+    with torch.no_grad(), context(), eval_calls:
         logits = model.eval()(input_ids).logits
-    seen["forward_comms"] = {op.__name__: n for op, n in comms.get_comm_counts().items()}
     seen["forward_collectives"] = eval_calls.collectives()
     seen["pallas_calls"] = eval_calls.pallas()
     seen["logits"] = whole(logits)
@@ -383,8 +382,7 @@ ACTIVATIONS = {
 def check_collectives(seen, reference, name):
     """The forward's collectives are the plan's; none, forward or backward, moves a weight."""
     seen = seen_by(seen, name)
-    assert seen["forward_comms"] == FORWARD_COMMS[name]
-    assert len(seen["forward_collectives"]) == sum(FORWARD_COMMS[name].values())
+    assert collections.Counter(c for c, _ in seen["forward_collectives"]) == FORWARD_COMMS[name]
     # A weight gathered or reduced would move a tensor of a parameter's
     # shape, whole or local (or its transpose), none of which is an activation's.
     weights = seen["parameter_shapes"]

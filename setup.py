@@ -48,8 +48,9 @@ setup(
         # torch bring their own triton.
         "triton": ["triton>=3.0"],
         # expecttest: torch.testing._internal (PyTorch's own sample inputs).
-        # transformers: tests/test_nn.py converts a small GPT-2 (its Conv1D layers).
+        # transformers: tests/test_nn.py converts a small GPT-2 (its Conv1D layers);
+        # torch_pallas.transformers needs 4.56 on (CI tests it and the newest).
         "test": ["pytest", "pytest-xdist", "pytest-benchmark", "matplotlib", "expecttest", "triton>=3.0",
-                 "transformers"],
+                 "transformers>=4.56"],
     },
 )

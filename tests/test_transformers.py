@@ -221,3 +221,14 @@ def test_what_the_attention_does_not_compute_raises_by_name():
                    dict(cu_seq_lens_q=torch.tensor([0, 6]), cu_seq_lens_k=torch.tensor([0, 6]))):
         got, _ = forward(module, q, k, v, None, **kwargs)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_an_older_transformers_is_refused_by_version(monkeypatch):
+    from torch_pallas.transformers import attention
+
+    monkeypatch.setattr(transformers, "__version__", "4.55.4")
+    for call in (torch_pallas.transformers.register,
+                 lambda: torch_pallas.transformers.apply(torch.nn.Linear(2, 2))):
+        with pytest.raises(ImportError, match=rf"needs transformers>={attention.OLDEST_TRANSFORMERS}; "
+                                              r"found 4\.55\.4"):
+            call()

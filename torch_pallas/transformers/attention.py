@@ -14,6 +14,19 @@ import torch
 from torch_pallas.ops.attention import attention as pallas_attention
 
 NAME = "pallas"
+# The oldest transformers this integration is tested on (CI runs it and the newest).
+OLDEST_TRANSFORMERS = "4.56"
+
+
+def require_transformers() -> None:
+    """Raises ImportError, naming both versions, for a transformers older
+    than OLDEST_TRANSFORMERS (its attention and mask interfaces differ)."""
+    import transformers
+    from packaging.version import Version  # a dependency of transformers
+
+    if Version(transformers.__version__) < Version(OLDEST_TRANSFORMERS):
+        raise ImportError(f"torch_pallas.transformers needs transformers>={OLDEST_TRANSFORMERS}; "
+                          f"found {transformers.__version__}")
 
 
 # Keywords transformers 5 passes to an attention function that change its
@@ -91,6 +104,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 def register() -> None:
     """Registers attn_implementation="pallas" with transformers (idempotent)."""
+    require_transformers()
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 

@@ -159,6 +159,7 @@ def apply(model: torch.nn.Module, *, attention: bool = True, rms_norm: bool = Tr
         if not isinstance(value, bool):
             raise TypeError(f"{WHERE}: {name} must be True or False, got {value!r}")
 
+    pallas_attention.require_transformers()
     _check_not_distributed(model)
 
     report, checks = Report(type(model).__name__), _Checks()
@@ -442,23 +443,27 @@ def _rotary_dispatcher(original):
         return dispatcher
 
     @functools.wraps(original)
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        return _rotary_or_original(original, q, k, cos, sin, unsqueeze_dim)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        return _rotary_or_original(original, q, k, cos, sin, *args, **kwargs)
 
     apply_rotary_pos_emb.torch_pallas_original = original
     return apply_rotary_pos_emb
 
 
-def _dispatch_rotary(self, q, k, cos, sin, unsqueeze_dim=1):
+def _dispatch_rotary(self, q, k, cos, sin, *args, **kwargs):
     """The module dispatcher's forward (see _rotary_dispatcher)."""
-    return _rotary_or_original(self.torch_pallas_original, q, k, cos, sin, unsqueeze_dim)
+    return _rotary_or_original(self.torch_pallas_original, q, k, cos, sin, *args, **kwargs)
 
 
-def _rotary_or_original(original, q, k, cos, sin, unsqueeze_dim):
-    # Partial rotary (cos narrower than the heads) stays transformers'.
-    if getattr(_rotary_on, "value", False) and cos.shape[-1] == q.shape[-1]:
-        return pallas_rotary_embedding(q, k, cos, sin, unsqueeze_dim)
-    return original(q, k, cos, sin, unsqueeze_dim)
+def _rotary_or_original(original, q, k, cos, sin, *args, **kwargs):
+    """The Pallas op for what `_is_rotate_half` checked (q, k, cos, sin and
+    `unsqueeze_dim` by keyword); transformers' own for anything else: a
+    partial rotary (cos narrower than the heads), arguments it did not
+    check (transformers 4's unused `position_ids`)."""
+    if (getattr(_rotary_on, "value", False) and not args and kwargs.keys() <= {"unsqueeze_dim"}
+            and cos.shape[-1] == q.shape[-1]):
+        return pallas_rotary_embedding(q, k, cos, sin, kwargs.get("unsqueeze_dim", 1))
+    return original(q, k, cos, sin, *args, **kwargs)
 
 
 @functools.cache
@@ -480,12 +485,12 @@ def _with_pallas_rotary(cls: type):
 
 
 def _is_rotate_half(function) -> bool:
-    """`function(q, k, cos, sin, unsqueeze_dim)` computes the rotate-half
-    embedding (Llama's), checked on random grouped-head inputs with the
-    heads at dimension 1 and at 2 (so a fifth argument meaning something
-    else fails). Judged by what it returns, not by its signature:
-    transformers 5 hands out the function wrapped in an `nn.Module` whose
-    forward takes `*args, **kwargs`."""
+    """`function(q, k, cos, sin, unsqueeze_dim=...)` computes the
+    rotate-half embedding (Llama's), checked on random grouped-head inputs
+    with the heads at dimension 1 and at 2. Judged by what it returns, not
+    by its signature: transformers 5 hands out the function wrapped in an
+    `nn.Module` whose forward takes `*args, **kwargs`, and transformers 4's
+    takes an unused `position_ids` before `unsqueeze_dim`."""
     if not callable(function):
         return False
     # q and k (4 and 2 heads, 3 tokens) for each place of the heads.
@@ -495,7 +500,7 @@ def _is_rotate_half(function) -> bool:
         cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
         with torch.no_grad():
             try:
-                got = function(q, k, cos, sin, unsqueeze_dim)
+                got = function(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
             except (TypeError, RuntimeError):  # another signature, or shapes it reads otherwise
                 return False
             expected = torch_rotary_embedding(q, k, cos, sin, unsqueeze_dim)

@@ -6,6 +6,8 @@ built from configs."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import transformers
@@ -226,7 +228,9 @@ def test_what_the_attention_does_not_compute_raises_by_name():
 def test_an_older_transformers_is_refused_by_version(monkeypatch):
     from torch_pallas.transformers import attention
 
-    monkeypatch.setattr(transformers, "__version__", "4.55.4")
+    # (the module `import transformers` gives now: transformers replaces its
+    # lazy module in sys.modules as it loads)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.55.4")
     for call in (torch_pallas.transformers.register,
                  lambda: torch_pallas.transformers.apply(torch.nn.Linear(2, 2))):
         with pytest.raises(ImportError, match=rf"needs transformers>={attention.OLDEST_TRANSFORMERS}; "

@@ -88,6 +88,9 @@ CASES = {
     "rms_norm sequence": Case(lambda x, w: torch_pallas.rms_norm(x, (16,), w),
                               lambda x, w: F.rms_norm(x, (16,), w), [(2, 7, 16), (16,)],
                               ["S1", "R"], ["S1"]),
+    "rms_norm gemma sequence": Case(
+        lambda x, w: torch_pallas.rms_norm(x, (16,), w, casting_mode="gemma"),
+        lambda x, w: F.rms_norm(x, (16,)) * (1 + w), [(2, 7, 16), (16,)], ["S1", "R"], ["S1"]),
     "rms_norm two dims": Case(lambda x: torch_pallas.rms_norm(x, (3, 8)),
                               lambda x: F.rms_norm(x, (3, 8)), [(5, 3, 8)], ["S0"], ["S0"]),
     "layer_norm batch": Case(lambda x, w, b: torch_pallas.layer_norm(x, (16,), w, b),

@@ -1,6 +1,8 @@
-"""RMSNorm's forward on Hopper, as `torch.nn.functional.rms_norm` computes it
-(Zhang & Sennrich 2019): rstd = 1 / sqrt(mean(x^2) + eps) per row and
-out = x * rstd * weight in float32, rounded once to x's dtype.
+"""RMSNorm's forward on Hopper (Zhang & Sennrich 2019): rstd = 1 / sqrt(mean(x^2)
++ eps) per row and out = x * rstd * weight, rounded as the casting mode says
+(kernels/rms_norm_casting.py, formulas in kernels/rms_norm_math.py): NONE
+as `torch.nn.functional.rms_norm` (float32, rounded once to x's dtype),
+LLAMA and GEMMA as those models' modules.
 
 A program takes one block of 64 rows (a wgmma row tile: its row vectors
 live in the registers' WGMMA layout, reduced along the row). A row wider
@@ -27,10 +29,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from torch_pallas.kernels import rms_norm_math, shapes
 from torch_pallas.kernels.mosaic_gpu.tiles import smem_transforms
 from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels.rms_norm_casting import Casting
 from torch_pallas.kernels.shapes import round_up
-from torch_pallas.kernels import shapes
 from torch_pallas.kernels.spec import KernelSpec
 
 ROW_AXIS = "rows"
@@ -123,7 +126,8 @@ def by_row(v, shape):
     return jax.lax.broadcast_in_dim(v, shape, [0])
 
 
-def rms_norm_kernel(x_gmem, *refs, n: int, eps: float, has_weight: bool, tiles: Tiles):
+def rms_norm_kernel(x_gmem, *refs, n: int, eps: float, casting: Casting, has_weight: bool,
+                    tiles: Tiles):
     """x_gmem (Rp, Np); the weight broadcast to (block_rows, Np) when
     `has_weight`; outputs o (Rp, Np) and rstd (Rp,) float32."""
     w_gmem, (o_gmem, rstd_gmem) = (refs[0], refs[1:]) if has_weight else (None, refs)
@@ -141,17 +145,16 @@ def rms_norm_kernel(x_gmem, *refs, n: int, eps: float, has_weight: bool, tiles: 
         max_concurrent_steps=tiles.steps(col_tiles),
         init_carry=tiles.rows(jnp.zeros((config.block_rows,), jnp.float32)),
     )(x_gmem)
-    rstd = jax.lax.rsqrt(total / n + eps)
+    rstd = rms_norm_math.inverse_rms(total, n, eps, on_cpu=not tiles.hardware)
     # rstd straight from the registers: 256 bytes, not worth an SMEM tile
     rstd_gmem.at[pl.ds(row_block * config.block_rows, config.block_rows)][...] = rstd
 
     def normalize(write):
         def body(indices, x_smem, *w_smem):
             x = tiles.load(x_smem)
-            y = x * by_row(rstd, x.shape)
-            if has_weight:
-                y = y * tiles.load(w_smem[0])
-            write(indices[0], y)
+            w = tiles.load(w_smem[0]) if has_weight else None
+            write(indices[0], rms_norm_math.output(x * by_row(rstd, x.shape), w, casting,
+                                                   x_gmem.dtype))
 
         w_specs = [tiles.spec(w_gmem.dtype, lambda j: (0, j))] if has_weight else []
         plgpu.emit_pipeline(
@@ -167,9 +170,11 @@ def weight_tile_row(weight, rows: int, cols: int):
     return jnp.broadcast_to(pad_to(weight, (cols,)), (rows, cols))
 
 
-def rms_norm(x, weight=None, *, eps: float, config: RowTilesConfig, interpret):
+def rms_norm(x, weight=None, *, eps: float, casting: Casting = Casting.NONE,
+             config: RowTilesConfig, interpret):
     """(out, rstd) for x (..., N) and weight (N,) or None: out in x's shape
-    and dtype, rstd (...) float32."""
+    and dtype (promote_types(x, weight) for a weighted LLAMA casting), rstd
+    (...) float32."""
     x, lead = shapes.rows(x)
     rows, n = x.shape
     padded_rows, padded_cols = config.padded(rows, n)
@@ -177,10 +182,11 @@ def rms_norm(x, weight=None, *, eps: float, config: RowTilesConfig, interpret):
     if weight is not None:
         inputs.append(weight_tile_row(weight, config.block_rows, padded_cols))
     tiles = Tiles(hardware=interpret is None, config=config)
+    out_dtype = rms_norm_math.output_dtype(x, weight, casting)
     out, rstd = plgpu.kernel(
-        functools.partial(rms_norm_kernel, n=n, eps=eps, has_weight=weight is not None,
-                          tiles=tiles),
-        out_type=(jax.ShapeDtypeStruct((padded_rows, padded_cols), x.dtype),
+        functools.partial(rms_norm_kernel, n=n, eps=eps, casting=casting,
+                          has_weight=weight is not None, tiles=tiles),
+        out_type=(jax.ShapeDtypeStruct((padded_rows, padded_cols), out_dtype),
                   jax.ShapeDtypeStruct((padded_rows,), jnp.float32)),
         grid=(padded_rows // config.block_rows,),
         grid_names=(ROW_AXIS,),

@@ -1,8 +1,10 @@
 """RMSNorm's backward on Hopper, from the forward's rstd. With
-x_hat = x * rstd and g = dy * w (dy without a weight), in float32:
+x_hat = x * rstd and g = dy * w (dy without a weight, dy * (1 + w) in the
+GEMMA casting), in float32:
 
     dx = rstd * (g - x_hat * mean(g * x_hat))      per row
-    dw = sum over rows of dy * x_hat
+    dw = sum over rows of dy * x_hat               (x_hat rounded to x's dtype
+                                                    in the LLAMA casting)
 
 Two kernels, each over tiles as the forward (rms_norm.py) stages them:
 - dx: a program per block of 64 rows walks its row's column tiles twice
@@ -32,15 +34,17 @@ from torch_pallas.kernels.mosaic_gpu.rms_norm import (
     store_tiles,
     weight_tile_row,
 )
+from torch_pallas.kernels import rms_norm_math
 from torch_pallas.kernels.mosaic_gpu.tiles import smem_transforms
 from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels.rms_norm_casting import Casting
 from torch_pallas.kernels.spec import KernelSpec
 
 COL_AXIS = "cols"
 
 
-def rms_norm_dx_kernel(dy_gmem, x_gmem, rstd_gmem, *refs, n: int, has_weight: bool,
-                       tiles: Tiles):
+def rms_norm_dx_kernel(dy_gmem, x_gmem, rstd_gmem, *refs, n: int, casting: Casting,
+                       has_weight: bool, tiles: Tiles):
     """dy, x (Rp, Np); rstd (Rp,) float32; the weight broadcast to
     (block_rows, Np) when `has_weight`; output dx (Rp, Np)."""
     w_gmem, (dx_gmem,) = (refs[0], refs[1:]) if has_weight else (None, refs)
@@ -58,7 +62,7 @@ def rms_norm_dx_kernel(dy_gmem, x_gmem, rstd_gmem, *refs, n: int, has_weight: bo
         rstd = tiles.load_rows(rstd_smem)
         dy = tiles.load(dy_smem)
         x_hat = tiles.load(x_smem) * by_row(rstd, dy.shape)
-        g = dy * tiles.load(w_smem) if has_weight else dy
+        g = dy * rms_norm_math.weight_factor(tiles.load(w_smem), casting) if has_weight else dy
         return rstd, x_hat, g
 
     def row_sums(indices, dy_smem, x_smem, rstd_smem, *rest):
@@ -85,7 +89,8 @@ def rms_norm_dx_kernel(dy_gmem, x_gmem, rstd_gmem, *refs, n: int, has_weight: bo
     store_tiles(write_dx, dx_gmem, row_block, tiles)
 
 
-def rms_norm_dw_kernel(dy_gmem, x_gmem, rstd_gmem, shares_gmem, *, tiles: Tiles):
+def rms_norm_dw_kernel(dy_gmem, x_gmem, rstd_gmem, shares_gmem, *, casting: Casting,
+                       tiles: Tiles):
     """dy, x (Rp, Np); rstd (Rp,) float32; output shares (block_rows, Np)
     float32, whose column sums are dw."""
     config = tiles.config
@@ -96,7 +101,7 @@ def rms_norm_dw_kernel(dy_gmem, x_gmem, rstd_gmem, shares_gmem, *, tiles: Tiles)
     def accumulate(indices, dy_smem, x_smem, rstd_smem, acc):
         dy = tiles.load(dy_smem)
         x_hat = tiles.load(x_smem) * by_row(tiles.load_rows(rstd_smem), dy.shape)
-        return acc + dy * x_hat
+        return acc + dy * rms_norm_math.rounded(x_hat, casting, x_gmem.dtype)
 
     zeros = jnp.zeros(shape, jnp.float32)
     if tiles.hardware:
@@ -121,9 +126,11 @@ def rms_norm_dw_kernel(dy_gmem, x_gmem, rstd_gmem, shares_gmem, *, tiles: Tiles)
                                     transforms=smem_transforms(jnp.float32, row_bytes)))
 
 
-def rms_norm_backward(grad_out, x, rstd, weight=None, *, config: RowTilesConfig, interpret):
+def rms_norm_backward(grad_out, x, rstd, weight=None, *, casting: Casting = Casting.NONE,
+                      config: RowTilesConfig, interpret):
     """(dx, dw): dx in x's dtype, dw in the weight's (empty float32 without
-    a weight), for x (R, N), grad_out (R, N), rstd (R,) float32."""
+    a weight), for x (R, N), grad_out (R, N) (in the forward output's
+    dtype), rstd (R,) float32."""
     rows, n = x.shape
     padded_rows, padded_cols = config.padded(rows, n)
     dy = pad_to(grad_out, (padded_rows, padded_cols))
@@ -134,7 +141,8 @@ def rms_norm_backward(grad_out, x, rstd, weight=None, *, config: RowTilesConfig,
     if weight is not None:
         inputs.append(weight_tile_row(weight, config.block_rows, padded_cols))
     dx = plgpu.kernel(
-        functools.partial(rms_norm_dx_kernel, n=n, has_weight=weight is not None, tiles=tiles),
+        functools.partial(rms_norm_dx_kernel, n=n, casting=casting, has_weight=weight is not None,
+                          tiles=tiles),
         out_type=jax.ShapeDtypeStruct((padded_rows, padded_cols), x.dtype),
         grid=(padded_rows // config.block_rows,),
         grid_names=(ROW_AXIS,),
@@ -143,7 +151,7 @@ def rms_norm_backward(grad_out, x, rstd, weight=None, *, config: RowTilesConfig,
     if weight is None:
         return dx, jnp.zeros((0,), jnp.float32)
     shares = plgpu.kernel(
-        functools.partial(rms_norm_dw_kernel, tiles=tiles),
+        functools.partial(rms_norm_dw_kernel, casting=casting, tiles=tiles),
         out_type=jax.ShapeDtypeStruct((config.block_rows, padded_cols), jnp.float32),
         grid=(padded_cols // config.block_cols,),
         grid_names=(COL_AXIS,),

@@ -1,10 +1,12 @@
 """RMSNorm's forward on the TensorCores: each row of x (R, N) divided by its
-root mean square, then multiplied by the weight, as
-`torch.nn.functional.rms_norm` computes it (Zhang & Sennrich 2019, "Root Mean
-Square Layer Normalization").
+root mean square, then multiplied by the weight (Zhang & Sennrich 2019, "Root
+Mean Square Layer Normalization"), rounded as the casting mode says
+(kernels/rms_norm_casting.py; formulas in kernels/rms_norm_math.py):
 
     rstd = 1 / sqrt(mean(x^2) + eps)      (float32, one per row, kept)
-    out  = x * rstd * weight              (float32, rounded once to x's dtype)
+    out  = x * rstd * weight              (NONE: torch.nn.functional.rms_norm's
+                                           float32, rounded once to x's dtype;
+                                           LLAMA, GEMMA: the models' roundings)
 
 `pltpu.emit_pipeline` walks blocks of whole rows, HBM -> VMEM, double
 buffered; the row blocks are PARALLEL and split across the TensorCores.
@@ -24,9 +26,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from torch_pallas.kernels import rms_norm_math, shapes
 from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels.rms_norm_casting import Casting
 from torch_pallas.kernels.shapes import round_up
-from torch_pallas.kernels import shapes
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 
@@ -47,16 +50,17 @@ class RowsConfig:
         return cls(block_rows=8)  # one (8, 128) VMEM tile row per block
 
 
-def rms_norm_kernel(*refs, n: int, eps: float, has_weight: bool, block, num_cores):
+def rms_norm_kernel(*refs, n: int, eps: float, casting: Casting, has_weight: bool, on_cpu: bool,
+                    block, num_cores):
     x_hbm, *w_hbm, o_hbm, rstd_hbm = refs
 
     def body(x_vmem, *rest):
         *w_vmem, o_vmem, rstd_vmem = rest
         x = x_vmem[...].astype(jnp.float32)
-        rstd = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / n + eps)
-        y = x * rstd
-        if has_weight:
-            y = y * w_vmem[0][...].astype(jnp.float32)
+        rstd = rms_norm_math.inverse_rms(jnp.sum(x * x, axis=1, keepdims=True), n, eps,
+                                         on_cpu=on_cpu)
+        w = w_vmem[0][...].astype(jnp.float32) if has_weight else None
+        y = rms_norm_math.output(x * rstd, w, casting, x_vmem.dtype)
         o_vmem[...] = y.astype(o_vmem.dtype)
         rstd_vmem[...] = rstd
 
@@ -82,19 +86,23 @@ def row_blocks(rows: int, cols: int, config: RowsConfig) -> tuple[int, int, int]
     return round_up(rows, config.block_rows), round_up(cols, LANES), config.block_rows
 
 
-def rms_norm(x, weight=None, *, eps: float, config: RowsConfig, num_cores: int, interpret):
+def rms_norm(x, weight=None, *, eps: float, casting: Casting = Casting.NONE, config: RowsConfig,
+             num_cores: int, interpret):
     """(out, rstd) for x (..., N) and weight (N,) or None: out in x's shape
-    and dtype, rstd (...) float32."""
+    and dtype (promote_types(x, weight) for a weighted LLAMA casting), rstd
+    (...) float32."""
     x, lead = shapes.rows(x)
     rows, n = x.shape
     padded_rows, padded_cols, block_rows = row_blocks(rows, n, config)
+    out_dtype = rms_norm_math.output_dtype(x, weight, casting)
     inputs = [pad_to(x, (padded_rows, padded_cols))]
     if weight is not None:
         inputs.append(pad_to(weight.reshape(1, n), (1, padded_cols)))
     out, rstd = pl.kernel(
-        functools.partial(rms_norm_kernel, n=n, eps=eps, has_weight=weight is not None,
+        functools.partial(rms_norm_kernel, n=n, eps=eps, casting=casting,
+                          has_weight=weight is not None, on_cpu=interpret is not None,
                           block=(block_rows, padded_cols), num_cores=num_cores),
-        out_type=(jax.ShapeDtypeStruct((padded_rows, padded_cols), x.dtype),
+        out_type=(jax.ShapeDtypeStruct((padded_rows, padded_cols), out_dtype),
                   jax.ShapeDtypeStruct((padded_rows, 1), jnp.float32)),
         mesh=tensorcore_mesh(num_cores),
         interpret=interpret,

@@ -1,14 +1,17 @@
 """RMSNorm's backward on the TensorCores, from the forward's saved 1/rms.
 
-For a row x with x_hat = x * rstd, g = dy * w (dy where there is no weight):
+For a row x with x_hat = x * rstd, g = dy * w (dy where there is no weight;
+dy * (1 + w) in the GEMMA casting):
 
     dx = rstd * (g - x_hat * mean(g * x_hat))
-    dw = sum over rows of dy * x_hat
+    dw = sum over rows of dy * x_hat      (x_hat rounded to x's dtype: LLAMA)
 
-in float32. `pltpu.emit_pipeline` walks blocks of whole rows as the forward
-does; each block writes dx and its share of dw (in the first row of its own
-(8, N) block, the rest zeros, so blocks split across the TensorCores never
-write the same memory), which one sum outside the kernel adds up.
+in float32 (kernels/rms_norm_casting.py: the roundings count as the
+identity, as autograd's). `pltpu.emit_pipeline` walks blocks of whole rows
+as the forward does; each block writes dx and its share of dw (in the first
+row of its own (8, N) block, the rest zeros, so blocks split across the
+TensorCores never write the same memory), which one sum outside the kernel
+adds up.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from torch_pallas.kernels import rms_norm_math
 from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels.rms_norm_casting import Casting
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 from torch_pallas.kernels.tpu.rms_norm import RowsConfig, row_blocks
@@ -28,7 +33,7 @@ from torch_pallas.kernels.tpu.rms_norm import RowsConfig, row_blocks
 SUBLANES = 8  # the rows of one share of dw: a whole (8, 128) tile row
 
 
-def rms_norm_backward_kernel(*refs, n: int, has_weight: bool, block, num_cores):
+def rms_norm_backward_kernel(*refs, n: int, casting: Casting, has_weight: bool, block, num_cores):
     if has_weight:
         dy_hbm, x_hbm, rstd_hbm, w_hbm, dx_hbm, dw_hbm = refs
     else:
@@ -41,11 +46,14 @@ def rms_norm_backward_kernel(*refs, n: int, has_weight: bool, block, num_cores):
             (dx_vmem,) = rest
         dy = dy_vmem[...].astype(jnp.float32)
         x_hat = x_vmem[...].astype(jnp.float32) * rstd_vmem[...]
-        g = dy * w_vmem[...].astype(jnp.float32) if has_weight else dy
+        g = dy
+        if has_weight:
+            g = dy * rms_norm_math.weight_factor(w_vmem[...].astype(jnp.float32), casting)
         mean = jnp.sum(g * x_hat, axis=1, keepdims=True) / n
         dx_vmem[...] = (rstd_vmem[...] * (g - x_hat * mean)).astype(dx_vmem.dtype)
         if has_weight:
-            share = jnp.sum(dy * x_hat, axis=0, keepdims=True)
+            share = jnp.sum(dy * rms_norm_math.rounded(x_hat, casting, x_vmem.dtype), axis=0,
+                            keepdims=True)
             first = jax.lax.broadcasted_iota(jnp.int32, dw_vmem.shape, 0) == 0
             dw_vmem[...] = jnp.where(first, share, 0.0)
 
@@ -64,10 +72,11 @@ def rms_norm_backward_kernel(*refs, n: int, has_weight: bool, block, num_cores):
       *([dw_hbm] if has_weight else []))
 
 
-def rms_norm_backward(grad_out, x, rstd, weight=None, *, config: RowsConfig, num_cores: int,
-                      interpret):
+def rms_norm_backward(grad_out, x, rstd, weight=None, *, casting: Casting = Casting.NONE,
+                      config: RowsConfig, num_cores: int, interpret):
     """(dx, dw): dx in x's dtype, dw in the weight's (empty float32 without
-    a weight), for x (R, N), grad_out (R, N), rstd (R,) float32."""
+    a weight), for x (R, N), grad_out (R, N) (in the forward output's
+    dtype), rstd (R,) float32."""
     rows, n = x.shape
     padded_rows, padded_cols, block_rows = row_blocks(rows, n, config)
     blocks = padded_rows // block_rows
@@ -78,7 +87,8 @@ def rms_norm_backward(grad_out, x, rstd, weight=None, *, config: RowsConfig, num
         inputs.append(pad_to(weight.reshape(1, n), (1, padded_cols)))
         out_type.append(jax.ShapeDtypeStruct((blocks * SUBLANES, padded_cols), jnp.float32))
     outs = pl.kernel(
-        functools.partial(rms_norm_backward_kernel, n=n, has_weight=weight is not None,
+        functools.partial(rms_norm_backward_kernel, n=n, casting=casting,
+                          has_weight=weight is not None,
                           block=(block_rows, padded_cols), num_cores=num_cores),
         out_type=tuple(out_type),
         mesh=tensorcore_mesh(num_cores),

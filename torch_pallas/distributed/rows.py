@@ -22,14 +22,17 @@ def _labels(x):
     return rows + (None,), rows
 
 
+# casting_mode changes no placement, only the rounding and ("llama") the
+# output's dtype, which DTensor's metadata follows per mode (verified on
+# torch 2.13, modes alternating on one mesh).
 @register_sharding(torch.ops.pallas.rms_norm_forward.default)
-def rms_norm_forward(x, weight, eps):
+def rms_norm_forward(x, weight, eps, casting_mode="none"):
     x_labels, stats = _labels(x)
     return strategies([x_labels, stats], [x_labels, None if weight is None else WHOLE, None])
 
 
 @register_sharding(torch.ops.pallas.rms_norm_backward.default)
-def rms_norm_backward(grad_out, x, rstd, weight):
+def rms_norm_backward(grad_out, x, rstd, weight, casting_mode="none"):
     x_labels, stats = _labels(x)
     return strategies([x_labels, WHOLE],
                       [x_labels, x_labels, stats, None if weight is None else WHOLE],

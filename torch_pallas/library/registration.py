@@ -216,7 +216,7 @@ TENSOR = object()
 _DIRECT_KINDS = {
     "TensorType": {TENSOR}, "IntType": {int}, "SymIntType": {int}, "FloatType": {float},
     "BoolType": {bool}, "NumberType": {int, float, bool}, "ScalarTypeType": {torch.dtype},
-    "DeviceObjType": {torch.device},
+    "DeviceObjType": {torch.device}, "StringType": {str},
 }
 INTS = object()  # a tuple, list or torch.Size of ints
 

@@ -297,7 +297,8 @@ def test_gpt_oss_sinks_leave_the_attention_alone():
 
 
 class OffsetRMSNorm(torch.nn.Module):
-    """Gemma's form: normed * (1 + weight); not Llama's."""
+    """normed * (1 + weight) in the input's dtype throughout: none of the
+    casting modes (Gemma's normalises and multiplies in float32)."""
 
     def __init__(self, n):
         super().__init__()
@@ -469,3 +470,65 @@ def test_compiled_training_step_of_a_patched_model_equals_eager():
             optimizer.zero_grad()
             losses[name].append(loss.detach())
     torch.testing.assert_close(losses["compiled"], losses["eager"], rtol=1e-5, atol=1e-5)
+
+
+NORMS = {  # each casting mode's module, as its modeling file writes it
+    "llama": lambda n: transformers.models.llama.modeling_llama.LlamaRMSNorm(n, eps=1e-6),
+    "gemma": lambda n: transformers.models.gemma.modeling_gemma.GemmaRMSNorm(n, eps=1e-6),
+    "none": lambda n: transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm(n, eps=1e-6),
+}
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.mark.parametrize("mode", NORMS)
+def test_rms_norms_keep_their_casting(mode):
+    """apply picks the casting mode that reproduces each RMSNorm module (the
+    patched module is rms_norm in that mode, bit for bit, in the module's
+    output dtype), for every input and weight dtype, the weight random (not
+    a fresh model's). Against the module itself: bit-equal but where the
+    float32 sums of squares, added in another order than torch's CPU sum,
+    differ in the last bit (tests/test_rms_norm.py measures how often)."""
+    width = 257  # ragged
+    for x_dtype in FLOATS:
+        for w_dtype in FLOATS:
+            module = NORMS[mode](width).to(w_dtype)
+            with torch.no_grad():
+                module.weight.uniform_(-1.5, 1.5)
+            patched = copy.deepcopy(module)
+            report = torch_pallas.transformers.apply(patched)
+            assert report.rms_norm == 1 and patched.forward.options == (mode,)
+            x = (torch.randn(3, 5, width) * 4).to(x_dtype)
+            with torch.no_grad():
+                expected, got = module(x), patched(x)
+                op = torch_pallas.rms_norm(x, (width,), module.weight, 1e-6, casting_mode=mode)
+            what = f"{x_dtype}, weight {w_dtype}"
+            assert got.dtype == expected.dtype and torch.equal(got, op), what
+            equal = (got == expected).double().mean().item()
+            assert equal >= (0.6 if x_dtype == torch.float32 else 0.999), f"{what}: {equal:.4f}"
+            torch.testing.assert_close(got, expected, msg=what)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_bfloat16_models_give_the_unpatched_logits_within_rounding(family):
+    """A bfloat16 model patched by apply: its eval logits are the unpatched
+    bfloat16 model's within bfloat16's rounding, measured as the unpatched
+    model's own distance from its float32 twin (the same weights)."""
+    reference = transformers.AutoModelForCausalLM.from_config(CONFIGS[family](),
+                                                              attn_implementation="sdpa")
+    with torch.no_grad():  # norms' weights that matter (a fresh model's are ones)
+        for name, parameter in reference.named_parameters():
+            if "norm" in name:
+                parameter.uniform_(0.5, 1.5)
+    float32 = copy.deepcopy(reference).eval()
+    reference = reference.to(torch.bfloat16).eval()
+    ours = copy.deepcopy(reference)
+    report = torch_pallas.transformers.apply(ours)
+    assert {kind: getattr(report, kind) for kind in patching.KINDS} == COUNTS[family]
+    ids, mask, _ = batch()
+    real = mask.bool()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask).logits[real].float()
+        got = ours(input_ids=ids, attention_mask=mask).logits[real].float()
+        twin = float32(input_ids=ids, attention_mask=mask).logits[real]
+    rounding = (expected - twin).abs().max().item()
+    assert (got - expected).abs().max().item() <= 2 * rounding

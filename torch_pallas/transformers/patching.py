@@ -12,7 +12,8 @@ modules is covered (Llama, Mistral, Qwen2, GPT-2 and their relatives):
 | kind          | recognised as                                                  | then runs on                     |
 |---------------|----------------------------------------------------------------|----------------------------------|
 | attention     | modules that dispatch through transformers' AttentionInterface | attn_implementation="pallas"     |
-| rms_norm      | torch.nn.RMSNorm; `*RMSNorm` modules computing Llama's RMSNorm | rms_norm                         |
+| rms_norm      | torch.nn.RMSNorm; `*RMSNorm` modules whose output is Llama's,  | rms_norm, in that casting_mode   |
+|               | Gemma's or F.rms_norm's casting bit for bit                    |                                  |
 | layer_norm    | torch.nn.LayerNorm (the class itself, not subclasses)          | layer_norm                       |
 | rotary        | attention modules calling their modeling file's rotate-half    | rotary_embedding                 |
 |               | `apply_rotary_pos_emb`                                         |                                  |
@@ -25,10 +26,12 @@ modules is covered (Llama, Mistral, Qwen2, GPT-2 and their relatives):
 A model's own module classes (its RMSNorm, its MLP, its rotary function)
 are checked once per class on a small random input against the
 composition they are replaced by, and left alone (listed in the report)
-when they compute something else: Gemma's `(1 + weight)` RMSNorm, a GELU
-MLP, an interleaved rotary embedding. (A partial rotary embedding, cos
-narrower than the heads, is handed to transformers' function call by
-call.) Modules on the meta device are taken by their structure alone.
+when they compute something else: an RMSNorm rounding as none of the
+casting modes do, a GELU MLP, an interleaved rotary embedding, attention
+with sinks. (A partial rotary embedding, cos narrower than the heads, is
+handed to transformers' function call by call.) The checks run on CPU
+copies with weights drawn anew, so modules on the meta device are judged
+as any others.
 
 How each is patched, on this model only:
 - attention: `register()` and `model.set_attn_implementation("pallas")`
@@ -186,21 +189,22 @@ def apply(model: torch.nn.Module, *, attention: bool = True, rms_norm: bool = Tr
 
 class Bound:
     """A function of `apply`'s bound to one module, set on that instance
-    (its forward, a model's loss_function): `BOUND[name](type(module))`,
-    called with the module first. Pickled and deep-copied as (module, name),
-    so a copy's is bound to the copy and `torch.save(model)` loads back
-    patched; `inspect.signature` sees the function's (transformers reads a
-    model's forward's)."""
+    (its forward, a model's loss_function): `BOUND[name](type(module),
+    *options)`, called with the module first (options: what `apply` chose
+    for that module, an RMSNorm's casting mode). Pickled and deep-copied as
+    (module, name, *options), so a copy's is bound to the copy and
+    `torch.save(model)` loads back patched; `inspect.signature` sees the
+    function's (transformers reads a model's forward's)."""
 
-    def __init__(self, module: torch.nn.Module, name: str):
-        self.module, self.name = module, name
-        self.function = BOUND[name](type(module))
+    def __init__(self, module: torch.nn.Module, name: str, *options):
+        self.module, self.name, self.options = module, name, options
+        self.function = BOUND[name](type(module), *options)
 
     def __call__(self, *args, **kwargs):
         return self.function(self.module, *args, **kwargs)
 
     def __reduce__(self):
-        return Bound, (self.module, self.name)
+        return Bound, (self.module, self.name, *self.options)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -214,8 +218,8 @@ def patched_as(module: torch.nn.Module) -> str | None:
     return forward.name if isinstance(forward, Bound) else None
 
 
-def _bind(module: torch.nn.Module, attribute: str, name: str) -> None:
-    setattr(module, attribute, Bound(module, name))
+def _bind(module: torch.nn.Module, attribute: str, name: str, *options) -> None:
+    setattr(module, attribute, Bound(module, name, *options))
 
 
 def _innermost_forward(cls: type):
@@ -232,12 +236,23 @@ def _calls(cls: type, name: str) -> bool:
 
 
 def _agree(got: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Equal within the dtype's rounding (a probe's check, not a test's)."""
+    """Equal within the dtype's rounding, relative to the values' size (a
+    probe's check, not a test's)."""
     if not (isinstance(got, torch.Tensor) and got.shape == expected.shape):
         return False
     tolerance = 1e-4 if got.dtype in (torch.float32, torch.float64) else 2e-2
     return torch.allclose(got.float(), expected.float(), rtol=tolerance,
-                          atol=tolerance * (1 + expected.abs().max().item()))
+                          atol=tolerance * expected.abs().max().item())
+
+
+def _cpu_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` on the CPU for a probe to draw weights into; one
+    on the meta device (a model built there) gets memory of its own, so
+    its class is judged as any other's."""
+    probe = copy.deepcopy(module)
+    if any(p.is_meta for p in probe.parameters()):
+        probe = probe.to_empty(device="cpu")
+    return probe.cpu()
 
 
 def _probe(module: torch.nn.Module, own, ours) -> bool:
@@ -265,12 +280,16 @@ class _Checks:
         self.left_alone.append(f"{name or '(the model)'} ({type(module).__name__}): {why}")
 
     def passes(self, key, check, name: str, module: torch.nn.Module, why: str) -> bool:
-        """`check()`'s verdict for `key`, computed once; a module failing
-        it is reported (the first of its kind) as left alone because `why`."""
+        """Whether `check()`'s verdict for `key` (computed once; kept for
+        `verdict`) is true; a module failing it is reported (the first of
+        its kind) as left alone because `why`."""
         if key not in self._verdicts:
-            self._verdicts[key] = bool(check())
+            self._verdicts[key] = check()
             if not self._verdicts[key]:
                 self.leave_alone(name, module, why)
+        return bool(self._verdicts[key])
+
+    def verdict(self, key):
         return self._verdicts[key]
 
 
@@ -342,12 +361,25 @@ def _value_in(module: torch.nn.Module, node: ast.expr):
 
 # --- RMSNorm and LayerNorm -----------------------------------------------------
 
+# The RMSNorm casting modes (pallas::rms_norm's casting_mode), each as the
+# modules that use it write it, most specific first: a model's RMSNorm runs
+# on the first whose output equals the module's bit for bit.
+RMS_NORM_CASTINGS = {
+    # Llama, Mistral, Qwen2/3 and the many modules copied from them
+    "llama": lambda weight, normed, x: weight * normed.to(x.dtype),
+    # Gemma, Gemma 2, Gemma 3
+    "gemma": lambda weight, normed, x: (normed * (1.0 + weight.float())).to(x.dtype),
+    # F.rms_norm's single rounding (OLMo 2's `(weight * normed).to(x.dtype)`)
+    "none": lambda weight, normed, x: (weight.float() * normed).to(x.dtype),
+}
+
+
 def _rms_norm_epsilon(module: torch.nn.Module) -> float | None:
     """The epsilon of a module shaped like transformers' RMSNorm: a class
-    named *RMSNorm holding one 1-D `weight` and a float `variance_epsilon`,
-    nothing else; None for anything else."""
+    named *RMSNorm holding one 1-D `weight` and a float `variance_epsilon`
+    (Llama's) or `eps` (Gemma's), nothing else; None for anything else."""
     weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", None)
+    eps = _epsilon_of(module)
     shaped = (type(module).__name__.lower().endswith("rmsnorm")
               and isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
               and isinstance(eps, float) and len(list(module.parameters())) == 1
@@ -355,35 +387,47 @@ def _rms_norm_epsilon(module: torch.nn.Module) -> float | None:
     return eps if shaped else None
 
 
-def _llama_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Llama's RMSNorm: normalised in float32, rounded to the input's dtype,
-    then times the weight (`weight * normed.to(input_dtype)`, in the
-    weight's and input's promoted dtype). One fused op where the two dtypes
-    agree (one rounding where Llama has two, within the dtype's rounding);
-    the weight's product apart where they differ (a float32 weight on
-    bfloat16 activations gives float32, as Llama's does)."""
-    shape = (hidden_states.shape[-1],)
-    if self.weight.dtype == hidden_states.dtype:
-        return pallas_rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
-    return self.weight * pallas_rms_norm(hidden_states, shape, None, self.variance_epsilon)
+def _epsilon_of(module: torch.nn.Module):
+    return getattr(module, "variance_epsilon", getattr(module, "eps", None))
 
 
-def _computes_llama_rms_norm(module: torch.nn.Module, eps: float) -> bool:
-    """On a copy with a random weight (a fresh model's are ones, which would
-    hide a forward that ignores or offsets them)."""
-    if module.weight.is_meta:
-        return True
-    probe = copy.deepcopy(module)
+@functools.cache
+def _rms_norm_forward(cls: type, casting_mode: str):
+    """An RMSNorm module's forward on rms_norm in `casting_mode`: one kernel
+    call, the module's roundings inside it."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return pallas_rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight,
+                               _epsilon_of(self), casting_mode=casting_mode)
+
+    forward.__doc__ = f"{cls.__name__}'s forward on torch_pallas.rms_norm ({casting_mode!r} casting)"
+    return forward
+
+
+def _rms_norm_casting(module: torch.nn.Module, eps: float) -> str | None:
+    """The casting mode whose composition gives `module`'s output bit for
+    bit (None: none does), on a CPU copy with a random weight (a fresh
+    model's are ones or zeros, which would hide a forward that ignores or
+    offsets them), in float32 and bfloat16 (where the modes' roundings
+    differ)."""
+    probe = _cpu_copy(module)
     with torch.no_grad():
-        probe.weight.uniform_(0.5, 1.5)
-    x = torch.randn(2, 3, probe.weight.shape[0], dtype=probe.weight.dtype,
-                    device=probe.weight.device)
+        probe.weight.uniform_(-1.5, 1.5)
+    n = probe.weight.shape[0]
+    inputs = [torch.randn(4, 8, n, dtype=dtype) * 3 for dtype in (torch.float32, torch.bfloat16)]
 
-    def llama():
-        normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps)
-        return probe.weight * normed.to(x.dtype)
+    def normed(x):  # the modules' own float32 normalisation, written as they write it
+        h = x.float()
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
-    return _probe(probe, lambda: type(probe).forward(probe, x), llama)
+    probe.eval()
+    with torch.no_grad():
+        own = [type(probe).forward(probe, x) for x in inputs]
+        for mode, casting in RMS_NORM_CASTINGS.items():
+            if all(isinstance(o, torch.Tensor) and o.dtype == c.dtype and torch.equal(o, c)
+                   for o, c in zip(own, (casting(probe.weight, normed(x), x) for x in inputs))):
+                return mode
+    return None
 
 
 def _rms_norms(model, checks: _Checks) -> int:
@@ -394,11 +438,12 @@ def _rms_norms(model, checks: _Checks) -> int:
         elif not (isinstance(m, pallas_nn.RMSNorm) or patched_as(m) == "rms_norm"):
             eps = _rms_norm_epsilon(m)
             if eps is None or not checks.passes(
-                    type(m), lambda: _computes_llama_rms_norm(m, eps), name, m,
-                    "an RMSNorm that computes something other than Llama's "
-                    "weight * normed.to(input dtype)"):
+                    type(m), lambda: _rms_norm_casting(m, eps), name, m,
+                    "an RMSNorm whose output is none of the casting modes' (Llama's "
+                    "weight * normed.to(input dtype), Gemma's (normed * (1 + weight)).to(input "
+                    "dtype), F.rms_norm's single rounding)"):
                 continue
-            _bind(m, "forward", "rms_norm")
+            _bind(m, "forward", "rms_norm", checks.verdict(type(m)))
         count += 1
     return count
 
@@ -487,16 +532,21 @@ def _with_pallas_rotary(cls: type):
 def _is_rotate_half(function) -> bool:
     """`function(q, k, cos, sin, unsqueeze_dim=...)` computes the
     rotate-half embedding (Llama's), checked on random grouped-head inputs
-    with the heads at dimension 1 and at 2. Judged by what it returns, not
-    by its signature: transformers 5 hands out the function wrapped in an
-    `nn.Module` whose forward takes `*args, **kwargs`, and transformers 4's
-    takes an unused `position_ids` before `unsqueeze_dim`."""
+    with the heads at dimension 1 and at 2, and in bfloat16 with float32
+    angles, where the result's dtype says how it rounds (Llama's promotes;
+    OLMo 2's rounds back to q's dtype, which the op does not). Judged by
+    what it returns, not by its signature: transformers 5 hands out the
+    function wrapped in an `nn.Module` whose forward takes `*args,
+    **kwargs`, and transformers 4's takes an unused `position_ids` before
+    `unsqueeze_dim`."""
     if not callable(function):
         return False
-    # q and k (4 and 2 heads, 3 tokens) for each place of the heads.
-    shapes = {1: ((2, 4, 3, 8), (2, 2, 3, 8)), 2: ((2, 3, 4, 8), (2, 3, 2, 8))}
-    for unsqueeze_dim, (q_shape, k_shape) in shapes.items():
-        q, k = torch.randn(q_shape), torch.randn(k_shape)
+    # q and k (4 and 2 heads, 3 tokens) for each place of the heads, and dtypes.
+    cases = (((2, 4, 3, 8), (2, 2, 3, 8), 1, torch.float32),
+             ((2, 3, 4, 8), (2, 3, 2, 8), 2, torch.float32),
+             ((2, 4, 3, 8), (2, 2, 3, 8), 1, torch.bfloat16))
+    for q_shape, k_shape, unsqueeze_dim, dtype in cases:
+        q, k = torch.randn(q_shape, dtype=dtype), torch.randn(k_shape, dtype=dtype)
         cos, sin = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
         with torch.no_grad():
             try:
@@ -505,7 +555,7 @@ def _is_rotate_half(function) -> bool:
                 return False
             expected = torch_rotary_embedding(q, k, cos, sin, unsqueeze_dim)
         if not (isinstance(got, tuple) and len(got) == 2
-                and all(_agree(g, e) for g, e in zip(got, expected))):
+                and all(_agree(g, e) and g.dtype == e.dtype for g, e in zip(got, expected))):
             return False
     return True
 
@@ -546,18 +596,25 @@ def _swiglu_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _computes_swiglu_mlp(module: torch.nn.Module) -> bool:
+    """On a CPU copy whose projections are drawn anew so that the gate's
+    outputs are of order one (a fresh model's small weights keep them near
+    zero, where GELU and SiLU agree to within the tolerance: Gemma's MLP)."""
     weight = getattr(module.gate_proj, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return False
-    if weight.is_meta:
-        return True
-    x = torch.randn(2, 3, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    probe = _cpu_copy(module)
+    with torch.no_grad():
+        for projection in (probe.gate_proj, probe.up_proj, probe.down_proj):
+            for parameter in projection.parameters():
+                bound = 3 / parameter.shape[-1] ** 0.5
+                parameter.uniform_(-bound, bound)
+    x = torch.randn(2, 3, weight.shape[1], dtype=weight.dtype)
 
     def swiglu_mlp():
         silu = torch.nn.functional.silu
-        return module.down_proj(silu(module.gate_proj(x)) * module.up_proj(x))
+        return probe.down_proj(silu(probe.gate_proj(x)) * probe.up_proj(x))
 
-    return _probe(module, lambda: type(module).forward(module, x), swiglu_mlp)
+    return _probe(probe, lambda: type(probe).forward(probe, x), swiglu_mlp)
 
 
 def _gated_mlps(model, checks: _Checks) -> int:
@@ -758,7 +815,7 @@ def _fused_loss(model, checks: _Checks) -> int:
 # The functions `apply` binds to module instances, by the name a pickle
 # records: each made for the module's class.
 BOUND = {
-    "rms_norm": lambda cls: _llama_rms_norm_forward,
+    "rms_norm": _rms_norm_forward,
     "rotary": _with_pallas_rotary,
     "swiglu": lambda cls: _swiglu_mlp_forward,
     "lm_head": lambda cls: _lm_head_forward,

@@ -6,7 +6,7 @@ specialization (`tile_pipeline`), and the shared-memory budget.
 
 Staging (`Target`). On the hardware wgmma reads 16-bit operands either way,
 so a transposed operand (Kᵀ in Q Kᵀ, Vᵀ in dO Vᵀ, Pᵀ and dSᵀ in the
-backward) is the SMEM tile as it lies, seen through `plgpu.transpose_ref`;
+backward) is the SMEM tile as it lies, seen through `ref.transpose`;
 a left operand computed in registers (P in P V, dS in dS K) stays there;
 register arrays get their `wgmma` layouts by `plgpu.layout_cast`. The
 simulator (jax 0.10) runs none of these: there XLA transposes K and V once
@@ -35,6 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from torch_pallas.kernels import attention_dropout
 from torch_pallas.kernels.attention_shapes import MAX_HEAD_DIM
+from torch_pallas.kernels.mosaic_gpu import compat
 from torch_pallas.kernels.mosaic_gpu.tiles import HOPPER_SMEM_BYTES, smem_transforms
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import round_up
@@ -72,13 +73,13 @@ class Target:
     def load_rows(self, ref):
         """A (rows,) SMEM vector, in the layout of a wgmma tile's rows."""
         if self.hardware:
-            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            return compat.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
         return ref[...]
 
     def transposed(self, ref):
         """The transposed operand of a tile staged as (n, k) on the hardware
         (read in place), or already as (k, n) by XLA in the simulator."""
-        return plgpu.transpose_ref(ref, (1, 0)) if self.hardware else ref
+        return ref.transpose((1, 0)) if self.hardware else ref
 
     def transposed_shape(self, rows: int, cols: int) -> tuple[int, int]:
         """The SMEM shape of a (rows, cols) tile handed to wgmma transposed."""
@@ -101,7 +102,7 @@ class Target:
         if self.hardware:
             smem[...] = x.astype(smem.dtype)
             plgpu.commit_smem()
-            return plgpu.transpose_ref(smem, (1, 0))
+            return smem.transpose((1, 0))
         smem[...] = x.T.astype(smem.dtype)
         plgpu.commit_smem()
         return smem

@@ -26,7 +26,7 @@ broadcast against the other operand's by its tile index.
 Operand layouts on the hardware, for both kernels (tiles.staged_layouts):
 wgmma reads 16-bit operands either way, so a transposed operand
 (`x @ w.t()`, `a.mT @ b`) is staged as it lies in memory, (N, K) tiles of B
-or (K, M) tiles of A, and handed to wgmma through `plgpu.transpose_ref`: no
+or (K, M) tiles of A, and handed to wgmma through `ref.transpose`: no
 copy. float32 runs on the Tensor Cores as TF32, which reads both operands
 K-major only: B is always staged (N, K) (read in place when transposed,
 copied once otherwise) and A (M, K). The op asks for TF32 only when torch
@@ -118,9 +118,9 @@ def matmul_kernel(a_gmem, b_gmem, o_gmem, o_smem, *, k_tiles, a_batched, b_batch
     def accumulate(acc):
         def step(_, a_smem, b_smem):
             if a_m_major:
-                a_smem = plgpu.transpose_ref(a_smem, (1, 0))
+                a_smem = a_smem.transpose((1, 0))
             if b_k_major:
-                b_smem = plgpu.transpose_ref(b_smem, (1, 0))
+                b_smem = b_smem.transpose((1, 0))
             plgpu.wgmma(acc, a_smem, b_smem)
             plgpu.wgmma_wait(1)  # keep one wgmma in flight
 

@@ -164,9 +164,9 @@ def warp_specialized_kernel(a_gmem, b_gmem, o_gmem, *, config, dtype, batch, m_t
 
             def step(indices, a_smem, b_smem, acc):
                 if a_m_major:
-                    a_smem = plgpu.transpose_ref(a_smem, (1, 0))
+                    a_smem = a_smem.transpose((1, 0))
                 if b_k_major:
-                    b_operand = plgpu.transpose_ref(b_smem.at[wg_cols, :], (1, 0))
+                    b_operand = b_smem.at[wg_cols, :].transpose((1, 0))
                 else:
                     b_operand = b_smem.at[:, wg_cols]
                 plgpu.wgmma(acc, a_smem, b_operand)

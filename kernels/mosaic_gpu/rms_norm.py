@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from torch_pallas.kernels import rms_norm_math, shapes
+from torch_pallas.kernels.mosaic_gpu import compat
 from torch_pallas.kernels.mosaic_gpu.tiles import smem_transforms
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.rms_norm_casting import Casting
@@ -73,13 +74,13 @@ class Tiles:
     def load(self, ref):
         """A tile, in float32, in the WGMMA layout on the hardware."""
         if self.hardware:
-            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            return compat.load(ref, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
         return ref[...].astype(jnp.float32)
 
     def load_rows(self, ref):
         """A (block_rows,) vector, in the layout of a WGMMA tile's rows."""
         if self.hardware:
-            return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(1))
+            return compat.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))
         return ref[...]
 
     def rows(self, x):

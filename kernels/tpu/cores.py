@@ -15,7 +15,13 @@ CORE_AXIS = "core"
 
 
 def tensorcore_mesh(num_cores: int):
-    """The mesh a kernel runs on: `num_cores` TensorCores along CORE_AXIS."""
+    """The mesh a kernel runs on: `num_cores` TensorCores along CORE_AXIS.
+    JAX 0.11 on spells it `pltpu.TensorCoreMesh(axis_name=, num_cores=)` (the
+    seeds' spelling) and deprecates `create_tensorcore_mesh`, which is 0.10's
+    only public one."""
+    mesh = getattr(pltpu, "TensorCoreMesh", None)
+    if mesh is not None:
+        return mesh(axis_name=CORE_AXIS, num_cores=num_cores)
     return pltpu.create_tensorcore_mesh(CORE_AXIS, num_cores=num_cores)
 
 

@@ -181,10 +181,14 @@ def out_of_bounds_kernel():
 
     def add(x, y, out_shape, *, config, interpret):
         def body(x_gmem, o_gmem):
-            o_gmem[...] = x_gmem[pl.ds(0, 256)]  # x holds fewer
+            # x holds fewer. A traced start (0 here): JAX 0.12 refuses a
+            # constant slice past the edge when tracing, before any simulation.
+            start = jax.lax.axis_index("p")
+            o_gmem[...] = x_gmem[pl.ds(start, 256)]
 
         return plgpu.kernel(
-            body, out_type=jax.ShapeDtypeStruct((256,), x.dtype), interpret=interpret
+            body, out_type=jax.ShapeDtypeStruct((256,), x.dtype), grid=(1,), grid_names=("p",),
+            interpret=interpret,
         )(x.reshape(-1))
 
     return KernelSpec(run=add, default_config=real_add.KERNEL.default_config)

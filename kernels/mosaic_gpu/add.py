@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from torch_pallas.kernels.mosaic_gpu.fences import fenced
 from torch_pallas.kernels.padding import as_rows
 from torch_pallas.kernels.spec import KernelSpec
 
@@ -48,7 +49,7 @@ def add_kernel(x_gmem, y_gmem, o_gmem, *, config: AddConfig):
         (config.block_rows, config.block_cols), lambda step: (first + step, 0)
     )
     plgpu.emit_pipeline(
-        body,
+        fenced(body),  # plain loads of the slots the pipeline refills by TMA
         grid=(config.blocks_per_program,),
         in_specs=[spec, spec],
         max_concurrent_steps=config.max_concurrent_steps,

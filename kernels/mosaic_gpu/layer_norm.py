@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from torch_pallas.kernels.mosaic_gpu.fences import fenced
 from torch_pallas.kernels.mosaic_gpu.rms_norm import (
     ROW_AXIS,
     RowTilesConfig,
@@ -46,7 +47,7 @@ def layer_norm_kernel(x_gmem, w_gmem, b_gmem, o_gmem, mean_gmem, rstd_gmem, *, n
     zeros = tiles.rows(jnp.zeros((config.block_rows,), jnp.float32))
 
     def row_pass(body):
-        return plgpu.emit_pipeline(body, grid=(col_tiles,), in_specs=[x_spec],
+        return plgpu.emit_pipeline(fenced(body), grid=(col_tiles,), in_specs=[x_spec],
                                    max_concurrent_steps=tiles.steps(col_tiles),
                                    init_carry=zeros)(x_gmem)
 
@@ -64,7 +65,7 @@ def layer_norm_kernel(x_gmem, w_gmem, b_gmem, o_gmem, mean_gmem, rstd_gmem, *, n
         return totals[0] + d.sum(axis=1), totals[1] + (d * d).sum(axis=1)
 
     first, second = plgpu.emit_pipeline(
-        sums, grid=(col_tiles,), in_specs=[x_spec], max_concurrent_steps=tiles.steps(col_tiles),
+        fenced(sums), grid=(col_tiles,), in_specs=[x_spec], max_concurrent_steps=tiles.steps(col_tiles),
         init_carry=(zeros, zeros))(x_gmem)
     shift = first / n  # the rough mean's error (corrected two-pass)
     mean = rough + shift

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from torch_pallas.kernels.mosaic_gpu.fences import fenced
 from torch_pallas.kernels.mosaic_gpu.rms_norm import (
     ROW_AXIS,
     RowTilesConfig,
@@ -63,7 +64,7 @@ def layer_norm_dx_kernel(dy_gmem, x_gmem, mean_gmem, rstd_gmem, w_gmem, dx_gmem,
 
     zeros = tiles.rows(jnp.zeros((config.block_rows,), jnp.float32))
     total_g, total_gx = plgpu.emit_pipeline(
-        row_sums, grid=(col_tiles,), in_specs=specs, max_concurrent_steps=tiles.steps(col_tiles),
+        fenced(row_sums), grid=(col_tiles,), in_specs=specs, max_concurrent_steps=tiles.steps(col_tiles),
         init_carry=(zeros, zeros),
     )(*gmem)
     mean_g, mean_gx = total_g / n, total_gx / n
@@ -98,7 +99,7 @@ def layer_norm_dwdb_kernel(dy_gmem, x_gmem, mean_gmem, rstd_gmem, dw_gmem, db_gm
 
     zeros = tiles.tile(jnp.zeros(shape, jnp.float32))
     acc_w, acc_b = plgpu.emit_pipeline(
-        accumulate, grid=(row_blocks,),
+        fenced(accumulate), grid=(row_blocks,),
         in_specs=[tiles.spec(dy_gmem.dtype, lambda i: (i, col_tile)),
                   tiles.spec(x_gmem.dtype, lambda i: (i, col_tile)),
                   rows_spec(config, lambda i: (i,)), rows_spec(config, lambda i: (i,))],

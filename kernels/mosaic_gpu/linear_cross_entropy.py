@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from torch_pallas.kernels.cross_entropy import capped, row_loss
+from torch_pallas.kernels.mosaic_gpu.fences import fenced
 from torch_pallas.kernels.mosaic_gpu.rms_norm import ROW_AXIS, RowTilesConfig, Tiles, by_row
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.spec import KernelSpec
@@ -69,7 +70,7 @@ def loss_kernel(z_gmem, t_gmem, loss_gmem, lse_gmem, *, vocab: int, smoothing: f
     zeros = tiles.rows(jnp.zeros((config.block_rows,), jnp.float32))
     minus_inf = tiles.rows(jnp.full((config.block_rows,), -jnp.inf, jnp.float32))
     m, s, target_logit, logit_sum = plgpu.emit_pipeline(
-        step, grid=(col_tiles,), in_specs=logit_tiles(tiles, z_gmem, t_gmem, row_block),
+        fenced(step), grid=(col_tiles,), in_specs=logit_tiles(tiles, z_gmem, t_gmem, row_block),
         max_concurrent_steps=tiles.steps(col_tiles),
         init_carry=(minus_inf, zeros, zeros, zeros),
     )(z_gmem, t_gmem)

@@ -33,6 +33,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from torch_pallas.kernels.mosaic_gpu import compat
+from torch_pallas.kernels.mosaic_gpu.fences import fenced
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import round_up
 from torch_pallas.kernels.spec import KernelSpec
@@ -78,7 +80,7 @@ class Tiles:
             return ref[...].astype(jnp.float32)
         vector = next(v for v in (4, 2, 1) if (self.tokens * self.half) % (128 * v) == 0)
         layout = plgpu.Layout.WG_STRIDED((self.tokens, self.half), vec_size=vector)
-        return plgpu.load(ref, (), layout=layout).astype(jnp.float32)
+        return compat.load(ref, layout=layout).astype(jnp.float32)
 
     def head_tile(self, t, a, h, c):
         """Element indices of head h's half c of token block t."""
@@ -120,7 +122,7 @@ def rotary_embedding_kernel(q_gmem, k_gmem, cos_gmem, sin_gmem, qo_gmem, ko_gmem
 
             heads = x_gmem.shape[1]
             plgpu.emit_pipeline(
-                body, grid=(heads,),
+                fenced(body), grid=(heads,),
                 in_specs=[tiles.head_spec(t, a, 0), tiles.head_spec(t, a, 1)],
                 max_concurrent_steps=min(config.max_concurrent_steps, heads),
             )(x_gmem, x_gmem)

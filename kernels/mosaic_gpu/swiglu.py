@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from torch_pallas.kernels.mosaic_gpu.add import AddConfig as ElementwiseConfig
+from torch_pallas.kernels.mosaic_gpu.fences import fenced
 from torch_pallas.kernels.padding import as_rows
 from torch_pallas.kernels.spec import KernelSpec
 
@@ -39,7 +40,7 @@ def elementwise_pipeline(body, inputs, config: ElementwiseConfig):
         (step,) = indices
         body(pl.ds((first + step) * config.block_rows, config.block_rows), *tiles)
 
-    plgpu.emit_pipeline(step_body, grid=(config.blocks_per_program,), in_specs=[spec] * len(inputs),
+    plgpu.emit_pipeline(fenced(step_body), grid=(config.blocks_per_program,), in_specs=[spec] * len(inputs),
                         max_concurrent_steps=config.max_concurrent_steps)(*inputs)
 
 

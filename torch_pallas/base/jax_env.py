@@ -182,7 +182,8 @@ def tpu_interpret_params(*, detect_races: bool):
     from jax.experimental.pallas import tpu as pltpu
 
     return pltpu.InterpretParams(
-        num_cores_or_threads=SIMULATED_TPU_CORES, detect_races=detect_races
+        num_cores_or_threads=SIMULATED_TPU_CORES, detect_races=detect_races,
+        **_race_reporting(pltpu.InterpretParams),
     )
 
 
@@ -196,7 +197,17 @@ def gpu_interpret_params(*, detect_races: bool):
         from jax._src.pallas.mosaic_gpu.interpret.params import (
             InterpretGPUParams as params,
         )
-    return params(detect_races=detect_races)
+    return params(detect_races=detect_races, **_race_reporting(params))
+
+
+def _race_reporting(params_class) -> dict:
+    """Keeps a simulator running after its race detector flags an access:
+    JAX 0.11 on raises inside the simulated kernel by default (`on_race=
+    "raise"`), 0.10 has no such field and only records the race; recorded,
+    the race is logged and `races_found` set, which torch_pallas turns into
+    RaceDetectedError after the call (runtime/simulators.py)."""
+    fields = getattr(params_class, "__dataclass_fields__", {})
+    return {"on_race": "warn"} if "on_race" in fields else {}
 
 
 def _gpu_callbacks():
@@ -221,6 +232,46 @@ def reset_simulator(family: str) -> None:
         from jax.experimental.pallas import tpu as pltpu
 
         pltpu.reset_tpu_interpret_mode_state()
+
+
+@functools.cache
+def pallas_call_lowers_for_mosaic_gpu() -> bool:
+    """Whether this JAX lowers a `pl.pallas_call` with `plgpu.CompilerParams`
+    for Mosaic GPU on a GPU (0.10, which deprecates it). From 0.11 on only
+    `plgpu.kernel` lowers to Mosaic GPU: a pallas_call lowers to Triton on a
+    GPU, and one with Mosaic GPU parameters fails a bare assertion."""
+    jax()
+    from jax._src.pallas import core as pallas_core
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    try:  # the module that registers the rule, where one exists
+        importlib.import_module("jax._src.pallas.mosaic_gpu.pallas_call_registration")
+    except ImportError:
+        return False
+    rule = getattr(pallas_core, "get_lowering_rule", None)
+    try:
+        return rule is not None and rule(plgpu.CompilerParams, "gpu") is not None
+    except ValueError:  # registered for another platform
+        return False
+
+
+def gpu_races_follow_proxies() -> bool:
+    """Whether the Mosaic GPU simulator's race detector follows PTX's memory
+    proxies (JAX 0.11 on): a TMA copy (the async proxy) is ordered after a
+    thread's plain SMEM accesses (the generic proxy) only across
+    `plgpu.commit_smem` (fence.proxy.async), not in program order as in
+    0.10, so a pipeline body that reads its slots and ends unfenced is
+    flagged when the pipeline refills them."""
+    memory = importlib.import_module("jax._src.pallas.mosaic_gpu.interpret.shared_memory")
+    return callable(getattr(getattr(memory, "GpuClockBundle", None), "commit_smem", None))
+
+
+def gpu_simulator_reads_zeros_past_edges() -> bool:
+    """Whether the Mosaic GPU simulator's TMA copies read zeros past an
+    array's edge and drop writes there, as the hardware does (JAX 0.11 on),
+    instead of raising IndexError (0.10)."""
+    task = getattr(_gpu_callbacks(), "AsyncCopyGmemToSmemTask", None)
+    return getattr(task, "out_of_bounds_source_fill", None) is not None
 
 
 def races_found(family: str) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 from jax.experimental import pallas as pl
@@ -24,8 +25,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import torch_pallas
 from helpers import assert_within
 from test_mosaic_gpu_lowering import aval, lower_for_hopper
+from torch_pallas import custom_ops
 from torch_pallas.base import jax_env
-from torch_pallas.custom_ops import kernel_advice
+from torch_pallas.custom_ops import kernel_advice, mosaic_gpu_pallas_call
 
 SIMULATOR = "mosaic_gpu_interpret"
 # JAX 0.10.2 warns when a pl.pallas_call lowers for Mosaic GPU (docs/custom_ops.md).
@@ -78,17 +80,33 @@ def test_example_refuses_float32():
         torch.ops.examples.pallas_call_matmul(a, a)
 
 
+def hopper_forms(f):
+    """The forms of `f` that may run on a GPU: torch_pallas's re-expression of
+    its pallas_calls (what the mosaic_gpu backend runs on JAX 0.11 on, which
+    lowers only plgpu.kernel to Mosaic GPU), and JAX's own lowering where
+    this JAX has one (0.10)."""
+    forms = {"torch_pallas": mosaic_gpu_pallas_call.for_hardware(f)}
+    if jax_env.pallas_call_lowers_for_mosaic_gpu():
+        forms["jax"] = f
+    return forms
+
+
 @PALLAS_CALL_DEPRECATED
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("m,k,n", [(1000, 999, 1001), (256, 64, 128)], ids=str)
 @pytest.mark.parametrize("tile,steps", [(128, 2), (64, 4)], ids=str)
 def test_example_matmul_lowers_for_hopper(dtype, m, k, n, tile, steps):
-    """The hardware path Mosaic GPU lowers the call to (emit_pipeline over
-    K, TMA with the swizzled layout, wgmma, the SMEM budget)."""
-    lower_for_hopper(
-        functools.partial(example.matmul, tile_m=tile, tile_n=tile,
-                          max_concurrent_steps=steps, interpret=None),
-        aval((m, k), dtype), aval((k, n), dtype))
+    """The hardware path the call is lowered to (a pipeline over K, TMA with
+    the swizzled layout, wgmma, the SMEM budget)."""
+    f = functools.partial(example.matmul, tile_m=tile, tile_n=tile,
+                          max_concurrent_steps=steps, interpret=None)
+    for form in hopper_forms(f).values():
+        lower_for_hopper(form, aval((m, k), dtype), aval((k, n), dtype))
+
+
+def test_the_mosaic_gpu_backend_runs_what_this_jax_lowers():
+    run = custom_ops._as_run_on(scaled_rows, "mosaic_gpu")
+    assert (run is scaled_rows) == jax_env.pallas_call_lowers_for_mosaic_gpu()
 
 
 # --- other windowed pallas_calls on the simulator ---------------------------
@@ -200,7 +218,25 @@ def test_program_ids_of_a_grid_over_whole_arrays():
 @PALLAS_CALL_DEPRECATED
 def test_windowed_kernels_lower_for_hopper():
     for f in (scaled_rows, weighted_column_blocks):
-        lower_for_hopper(functools.partial(f, interpret=None), aval((200, 256), "float32"))
+        for form in hopper_forms(functools.partial(f, interpret=None)).values():
+            lower_for_hopper(form, aval((200, 256), "float32"))
+
+
+@pytest.mark.skipif(not jax_env.gpu_simulator_reads_zeros_past_edges(),
+                    reason="JAX 0.10's simulator raises past an array's edge, where TMA reads "
+                           "zeros: the hardware form, unpadded, cannot run there")
+def test_the_hardware_form_computes_the_same_values():
+    """The re-expression for a GPU as it is (no padding: the last row block
+    runs past the edge), run in the simulator, where TMA reads zeros past
+    an array's edge as the hardware's does (JAX 0.11 on)."""
+    interpret = jax_env.gpu_interpret_params(detect_races=False)
+    x = torch.randn(20, 3 * 128)
+    hardware_form = mosaic_gpu_pallas_call._rewritten(
+        functools.partial(weighted_column_blocks, interpret=interpret),
+        mosaic_gpu_pallas_call._takes_simulated, hardware=True)
+    out = torch.from_numpy(np.array(jax.jit(hardware_form)(jnp.asarray(x.numpy()))))
+    ref = weighted_column_blocks_reference(x)
+    assert_within(out, ref, 1e-5 * (1 + ref.abs()), "weighted_column_blocks")
 
 
 # --- what the simulator cannot run says which limit it hit ------------------
@@ -296,8 +332,14 @@ def reads_past_the_edge_op(x: torch.Tensor, interpret=None) -> torch.Tensor:
 
 
 def test_read_past_an_edge_is_explained_when_it_runs():
+    x = torch.randn(20, 128)
+    if jax_env.gpu_simulator_reads_zeros_past_edges():  # JAX 0.11 on: as TMA does
+        with torch_pallas.backend(SIMULATOR):
+            out = torch.ops.test_mosaic_gpu_pallas_call.reads_past_the_edge(x)
+        torch.testing.assert_close(out, torch.cat([x, torch.zeros(12, 128)]))
+        return
     with torch_pallas.backend(SIMULATOR), pytest.raises(Exception) as info:
-        torch.ops.test_mosaic_gpu_pallas_call.reads_past_the_edge(torch.randn(20, 128))
+        torch.ops.test_mosaic_gpu_pallas_call.reads_past_the_edge(x)
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "test_mosaic_gpu_pallas_call::reads_past_the_edge (inputs" in notes
     assert "pad the operands to whole blocks" in notes

@@ -68,6 +68,10 @@ def _as_run_on(function: Callable, backend: str) -> Callable:
     if backend == "mosaic_gpu_interpret":
         # Windowed pallas_calls run as Mosaic GPU runs them on a GPU.
         return mosaic_gpu_pallas_call.simulated(function)
+    if backend == "mosaic_gpu" and not jax_env.pallas_call_lowers_for_mosaic_gpu():
+        # JAX 0.11 on lowers only plgpu.kernel to Mosaic GPU: a pallas_call
+        # written for it becomes the kernel JAX 0.10 lowered it to.
+        return mosaic_gpu_pallas_call.for_hardware(function)
     return function
 
 

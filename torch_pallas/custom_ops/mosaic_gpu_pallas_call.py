@@ -1,38 +1,42 @@
-"""`pl.pallas_call` with BlockSpec windows on the Mosaic GPU simulator
-(`mosaic_gpu_interpret`), as Mosaic GPU runs it on the hardware.
+"""`pl.pallas_call` with BlockSpec windows for Mosaic GPU, run as JAX 0.10's
+Mosaic GPU lowering ran it on the hardware: on the simulator
+(`mosaic_gpu_interpret`) on every JAX version, and on a GPU (`mosaic_gpu`)
+where JAX no longer lowers it (0.11 on).
 
-On a GPU, Mosaic GPU lowers a `pallas_call` into one CUDA block per point of
-its "parallel" grid dimensions, each running a `plgpu.emit_pipeline` over the
+JAX 0.10 lowers a `pallas_call` into one CUDA block per point of its
+"parallel" grid dimensions, each running a `plgpu.emit_pipeline` over the
 "sequential" ones (`plgpu.CompilerParams(dimension_semantics=...)`; without
 them every dimension is parallel): the pipeline copies each step's input
-blocks GMEM -> SMEM by TMA, runs the kernel body on the SMEM blocks and copies
-the output blocks back (jax/_src/pallas/mosaic_gpu/lowering.py,
-`lower_pipelined_jaxpr_to_module`). JAX 0.10.2's simulator does not: it runs
-a `pallas_call` only with whole-array blocks (it asserts
-`has_trivial_window()` for every BlockSpec) and returns 0 for every
-`pl.program_id`.
+blocks GMEM -> SMEM by TMA, `max_concurrent_steps` steps ahead, runs the
+kernel body on the SMEM blocks and copies the output blocks back
+(jax/_src/pallas/mosaic_gpu/lowering.py, `lower_pipelined_jaxpr_to_module`).
+Its simulator does not: it runs a `pallas_call` only with whole-array blocks
+(it asserts `has_trivial_window()` for every BlockSpec) and returns 0 for
+every `pl.program_id`. JAX 0.11 on lowers only `plgpu.kernel` to Mosaic GPU:
+a `pallas_call` lowers to Triton on a GPU, and one with Mosaic GPU compiler
+parameters fails a bare assertion (`jax_env.pallas_call_lowers_for_mosaic_gpu`).
 
-So, on that backend, torch_pallas replaces each such `pallas_call` of a
-user's function (torch_pallas.custom_op) with the same structure spelled in
-what the simulator runs: a `plgpu.kernel` whose grid is the parallel
-dimensions, and in it a loop over the sequential steps that, per step, TMA-
-copies the input blocks (the BlockSpecs' index maps and transforms, so
-TilingTransform/SwizzleTransform layouts for wgmma are simulated), runs the
+So torch_pallas replaces each such `pallas_call` of a user's function
+(torch_pallas.custom_op) with that structure spelled in public Mosaic GPU
+API (`simulated`, `for_hardware`): a `plgpu.kernel` whose grid is the
+parallel dimensions, and in it a pipeline over the sequential steps with
+`max_concurrent_steps` SMEM slots per input block, which TMA-copies the
+input blocks (the BlockSpecs' index maps and transforms, so
+TilingTransform/SwizzleTransform layouts for wgmma are kept), runs the
 kernel's own traced body with `pl.program_id`/`pl.num_programs` bound to the
-step's indices, and copies the output blocks back. The values are those of
-the hardware pipeline, blocks past an array's edge included (TMA reads zeros
-there and drops writes; the simulator would raise, so the arrays are
-zero-padded to whole blocks around the simulated kernel). Its overlap is not
-simulated: the steps run one at a time, each step's copies waited for before
-its body, where the hardware keeps `max_concurrent_steps` of them in flight,
-so a race that the overlap would cause is not found here.
+step's indices, refills the slot for a later step and copies an output
+block back when the next step moves to another block. In the simulator the
+values are those of the hardware pipeline and its overlap is simulated,
+blocks past an array's edge included (TMA reads zeros there and drops
+writes; JAX 0.10's simulator would raise, so the arrays are zero-padded to
+whole blocks around the simulated kernel).
 
 Only pallas_calls are replaced that the simulator would get wrong (a window
-or more than one grid point) and that the function makes where this module
-can reach them: directly, or inside `jax.jit`, `custom_jvp`/`custom_vjp`,
-`checkpoint`, `cond`, `while` and `scan` (re-expressed by
-torch_pallas/custom_ops/jaxpr_walk.py); `plgpu.kernel` and `pl.kernel` calls are left
-to the simulator as they are.
+or more than one grid point) or that the hardware path must re-express, and
+that the function makes where this module can reach them: directly, or
+inside `jax.jit`, `custom_jvp`/`custom_vjp`, `checkpoint`, `cond`, `while`
+and `scan` (re-expressed by torch_pallas/custom_ops/jaxpr_walk.py);
+`plgpu.kernel` and `pl.kernel` calls are left as they are.
 
 What it cannot take raises torch_pallas.BackendLimitError, naming the limit
 (torch_pallas/custom_ops/kernel_advice.py): input/output aliases, scalar prefetch,
@@ -43,6 +47,7 @@ windowed block in GMEM, scratch other than SMEM and `plgpu.ACC`, and a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -72,20 +77,44 @@ def simulated(fn: Callable) -> Callable:
     """`fn` (JAX arrays in and out) with its windowed `pallas_call`s for the
     Mosaic GPU simulator replaced as the module docstring says; `fn` itself
     when it has none."""
+    return _rewritten(fn, _takes_simulated, hardware=False)
+
+
+def for_hardware(fn: Callable) -> Callable:
+    """`fn` with each `pallas_call` written for Mosaic GPU (plgpu.CompilerParams
+    or none, outside interpret mode) replaced by the kernel Mosaic GPU lowered
+    it to, for a JAX that no longer lowers it (0.11 on:
+    `jax_env.pallas_call_lowers_for_mosaic_gpu()`); `fn` itself when it has
+    none."""
+    return _rewritten(fn, _takes_for_hardware, hardware=True)
+
+
+def _rewritten(fn: Callable, takes: Callable, *, hardware: bool) -> Callable:
+    for_what = "this JAX's Mosaic GPU lowering" if hardware else "the Mosaic GPU simulator"
+
+    def replace(eqn, invals):
+        if not takes(eqn):
+            return None
+        try:
+            return _pipelined_call(eqn, invals, hardware=hardware)
+        except SimulatorLimit as e:
+            if e.where is None:  # name the user's pallas_call
+                e.where = source_location(eqn)
+            raise
 
     @functools.wraps(fn)
     def run(*args):
         jax = jax_env.jax()
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        if not any(_takes(e) for e in jaxpr_walk.equations(closed.jaxpr, enter=_not_a_kernel)):
+        if not any(takes(e) for e in jaxpr_walk.equations(closed.jaxpr, enter=_not_a_kernel)):
             return fn(*args)
         try:
-            outs = jaxpr_walk.evaluate(closed.jaxpr, closed.consts, args, replace=_replace,
-                                       wanted=_takes, enter=_not_a_kernel)
+            outs = jaxpr_walk.evaluate(closed.jaxpr, closed.consts, args, replace=replace,
+                                       wanted=takes, enter=_not_a_kernel)
         except jaxpr_walk.UnsupportedNesting as e:
             raise SimulatorLimit(
                 f"a pl.pallas_call with BlockSpec windows inside `{e.primitive}`, which "
-                "torch_pallas cannot re-express for the Mosaic GPU simulator",
+                f"torch_pallas cannot re-express for {for_what}",
                 f"call the pallas_call outside `{e.primitive}`, or {WHAT_RUNS}") from None
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -96,7 +125,7 @@ def _not_a_kernel(eqn) -> bool:
     return eqn.primitive.name != "pallas_call"
 
 
-def _takes(eqn) -> bool:
+def _takes_simulated(eqn) -> bool:
     """Whether `eqn` is a pallas_call this module runs for the simulator:
     one without a mesh (plgpu.kernel and pl.kernel have one), in GPU
     interpret mode, whose windows or grid the simulator would get wrong."""
@@ -109,15 +138,19 @@ def _takes(eqn) -> bool:
     return grid_points > 1 or not all(bm.has_trivial_window() for bm in gm.block_mappings)
 
 
-def _replace(eqn, invals):
-    if not _takes(eqn):
-        return None
-    try:
-        return _pipelined_call(eqn, invals)
-    except SimulatorLimit as e:
-        if e.where is None:  # name the user's pallas_call
-            e.where = source_location(eqn)
-        raise
+def _takes_for_hardware(eqn) -> bool:
+    """Whether `eqn` is a pallas_call for Mosaic GPU on the hardware: no mesh,
+    not interpreted, Mosaic GPU compiler parameters or none (JAX 0.10 lowered
+    both to Mosaic GPU; Triton-style kernels carry Triton's)."""
+    if eqn.primitive.name != "pallas_call" or eqn.params.get("mesh") is not None:
+        return False
+    if eqn.params.get("interpret"):
+        return False
+    jax_env.jax()
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    params = eqn.params.get("compiler_params")
+    return params is None or isinstance(params, plgpu.CompilerParams)
 
 
 def _refuse(limit: str, what_to_do: str = WHAT_RUNS):
@@ -167,8 +200,8 @@ def _check(eqn):
                     "use SMEM (the default) or GMEM blocks")
     for v in p["jaxpr"].invars[gm.slice_scratch_ops]:
         if _scratch_type(v.aval) is None:
-            _refuse(f"scratch of type {v.aval} (torch_pallas simulates SMEM and plgpu.ACC "
-                    "scratch of a pallas_call)")
+            _refuse(f"scratch of type {v.aval} (torch_pallas runs a pallas_call's SMEM and "
+                    "plgpu.ACC scratch)")
 
 
 def _is_gmem(space) -> bool:
@@ -201,15 +234,20 @@ def _block_shape(bm) -> tuple[int, ...]:
                  for b in bm.block_shape if not isinstance(b, pl.Squeezed) and b is not None)
 
 
+def _block_indices(bm, grid_indices) -> list:
+    """Block `bm`'s indices at grid point `grid_indices` (its index map)."""
+    jax = jax_env.jax()
+    imap = bm.index_map_jaxpr
+    return jax.core.eval_jaxpr(imap.jaxpr, imap.consts, *grid_indices)
+
+
 def _window(bm, grid_indices):
     """The GMEM slice of block `bm` at grid point `grid_indices`."""
-    jax = jax_env.jax()
+    jax_env.jax()
     from jax.experimental import pallas as pl
 
-    imap = bm.index_map_jaxpr
-    starts = jax.core.eval_jaxpr(imap.jaxpr, imap.consts, *grid_indices)
     window = []
-    for b, i in zip(bm.block_shape, starts):
+    for b, i in zip(bm.block_shape, _block_indices(bm, grid_indices)):
         if b is None or isinstance(b, pl.Squeezed):
             window.append(i)
         else:
@@ -218,12 +256,25 @@ def _window(bm, grid_indices):
     return tuple(window)
 
 
-def _pipelined_call(eqn, invals):
-    """The outputs of pallas_call `eqn` on `invals`, run as a plgpu.kernel
-    over its parallel dimensions with a loop over its sequential ones."""
+def _pipelined_call(eqn, invals, *, hardware: bool):
+    """The outputs of pallas_call `eqn` on `invals`, run as Mosaic GPU lowers
+    it (JAX 0.10's `lower_pipelined_jaxpr_to_module`): a plgpu.kernel over
+    its parallel dimensions, in each program a pipeline over its sequential
+    steps that keeps `max_concurrent_steps` steps' input blocks in flight
+    (TMA copies into that many SMEM slots, each refilled as soon as its step
+    has run) and writes an output block back when the next step moves to
+    another block or at the last step, as Pallas's revisiting semantics say
+    (an output block that stays put accumulates across steps). Each slot is
+    its own allocation, so the kernel's traced body takes it as its block
+    ref; the loop is unrolled over the slots.
+
+    `hardware`: for a GPU (the arrays as they are: TMA reads zeros past an
+    edge and drops writes there), or for the simulator (arrays zero-padded
+    to whole blocks around the kernel: JAX 0.10's simulator raises there)."""
     _check(eqn)
     jax = jax_env.jax()
     lax = jax.lax
+    jnp = jax.numpy
     from jax._src.pallas import core as pallas_core  # GridAxis, grid_env: no public spelling
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -238,14 +289,17 @@ def _pipelined_call(eqn, invals):
     names = tuple(f"pallas_call_axis{axis}" for axis, par in enumerate(parallel) if par)
     parallel_grid = tuple(d for d, par in zip(grid, parallel) if par)
     sequential_grid = tuple(d for d, par in zip(grid, parallel) if not par)
+    steps = math.prod(sequential_grid)
+    slots = max(1, min(cp.max_concurrent_steps, steps))
     n_in = gm.num_inputs
     mappings = gm.block_mappings
     windowed = [not _is_gmem(bm.transformed_block_aval.memory_space) for bm in mappings]
-    block_types = [plgpu.SMEM(_block_shape(bm), bm.array_aval.dtype,
-                              transforms=tuple(bm.transforms))
-                   for bm, w in zip(mappings, windowed) if w]
+    inputs = [i for i in range(n_in) if windowed[i]]
+    outputs = [i for i in range(n_in, len(mappings)) if windowed[i]]
     scratch_types = [_scratch_type(v.aval) for v in kernel_jaxpr.invars[gm.slice_scratch_ops]]
-    copies_in = sum(windowed[:n_in])
+
+    def block_type(bm):
+        return plgpu.SMEM(_block_shape(bm), bm.array_aval.dtype, transforms=tuple(bm.transforms))
 
     def grid_point(step, parallel_ids):
         sequential = []
@@ -261,36 +315,67 @@ def _pipelined_call(eqn, invals):
     def body(*gmem_refs):
         parallel_ids = [lax.axis_index(n) for n in names]
 
-        def run_steps(blocks, barrier, scratch):
-            def step(s, carry):
-                ids = grid_point(s, parallel_ids)
-                smem = iter(blocks)
-                refs = [next(smem) if w else g for g, w in zip(gmem_refs, windowed)]
-                for bm, g, ref, w in zip(mappings[:n_in], gmem_refs, refs, windowed):
-                    if w:
-                        plgpu.copy_gmem_to_smem(g.at[_window(bm, ids)], ref, barrier)
-                if copies_in:
-                    plgpu.barrier_wait(barrier)
-                env = [pallas_core.GridAxis(i, d) for i, d in zip(ids, grid)]
-                with pallas_core.grid_env(env):  # pl.program_id/num_programs read it
-                    try:
-                        jaxpr_walk.evaluate(kernel_jaxpr, (), [*map(_untransformed, refs),
-                                                               *scratch],
-                                            replace=lambda e, v: None, wanted=is_program_id)
-                    except jaxpr_walk.UnsupportedNesting as e:
-                        _refuse(f"pl.program_id or pl.num_programs inside `{e.primitive}` in "
-                                "a pl.pallas_call kernel",
-                                "read them at the kernel's top level and use the values "
-                                "inside")
-                plgpu.commit_smem()
-                for bm, g, ref, w in zip(mappings[n_in:], gmem_refs[n_in:], refs[n_in:],
-                                         windowed[n_in:]):
-                    if w:
-                        plgpu.copy_smem_to_gmem(ref, g.at[_window(bm, ids)])
-                plgpu.wait_smem_to_gmem(0)
+        def fetch(step, slot_blocks, barrier):
+            ids = grid_point(step, parallel_ids)
+            for i, block in zip(inputs, slot_blocks):
+                plgpu.copy_gmem_to_smem(gmem_refs[i].at[_window(mappings[i], ids)], block, barrier)
+
+        def written_back(i, step):
+            """Whether output block i leaves after `step`: the last step, or
+            the next one maps it elsewhere."""
+            here = _block_indices(mappings[i], grid_point(step, parallel_ids))
+            there = _block_indices(mappings[i], grid_point(step + 1, parallel_ids))
+            moved = [jnp.asarray(a) != jnp.asarray(b) for a, b in zip(here, there)]
+            return functools.reduce(jnp.logical_or, moved, step == steps - 1)
+
+        def run_step(step, slot, in_blocks, out_blocks, barriers, scratch):
+            ids = grid_point(step, parallel_ids)
+            if inputs:
+                plgpu.barrier_wait(barriers[slot])
+            if outputs:  # the last write-back has read the output blocks
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            blocks = iter([*in_blocks[slot], *out_blocks])
+            refs = [_untransformed(next(blocks)) if w else g for g, w in zip(gmem_refs, windowed)]
+            env = [pallas_core.GridAxis(i, d) for i, d in zip(ids, grid)]
+            with pallas_core.grid_env(env):  # pl.program_id/num_programs read it
+                try:
+                    jaxpr_walk.evaluate(kernel_jaxpr, (), [*refs, *scratch],
+                                        replace=lambda e, v: None, wanted=is_program_id)
+                except jaxpr_walk.UnsupportedNesting as e:
+                    _refuse(f"pl.program_id or pl.num_programs inside `{e.primitive}` in "
+                            "a pl.pallas_call kernel",
+                            "read them at the kernel's top level and use the values inside")
+            # The TMA copies below read the output blocks and refill this
+            # slot, which the body accessed with plain loads and stores: PTX
+            # orders the two proxies only across this fence.
+            plgpu.commit_smem()
+            for i, block in zip(outputs, out_blocks):
+                @pl.when(written_back(i, step))
+                def _write_back(i=i, block=block):
+                    plgpu.copy_smem_to_gmem(block, gmem_refs[i].at[_window(mappings[i], ids)])
+            if inputs:
+                @pl.when(step + slots < steps)
+                def _refill():
+                    fetch(step + slots, in_blocks[slot], barriers[slot])
+
+        def run_steps(in_blocks, out_blocks, barriers, scratch):
+            for slot in range(slots):  # slots <= steps
+                if inputs:
+                    fetch(slot, in_blocks[slot], barriers[slot])
+
+            def round_(r, carry):
+                for slot in range(slots):
+                    step = r * slots + slot
+                    if steps % slots:
+                        pl.when(step < steps)(functools.partial(
+                            run_step, step, slot, in_blocks, out_blocks, barriers, scratch))
+                    else:
+                        run_step(step, slot, in_blocks, out_blocks, barriers, scratch)
                 return carry
 
-            lax.fori_loop(0, math.prod(sequential_grid), step, None)
+            lax.fori_loop(0, -(-steps // slots), round_, None)
+            if outputs:
+                plgpu.wait_smem_to_gmem(0)
 
         def allocate(scratch, remaining):
             # One allocation each: the simulator cannot place a plgpu.ACC in
@@ -298,25 +383,33 @@ def _pipelined_call(eqn, invals):
             if remaining:
                 return pl.run_scoped(lambda ref: allocate([*scratch, ref], remaining[1:]),
                                      remaining[0])
-            barrier = plgpu.Barrier(num_arrivals=copies_in) if copies_in else None
-            return pl.run_scoped(lambda blocks, bar: run_steps(blocks, bar, scratch),
-                                 block_types, barrier)
+            in_types = [[block_type(mappings[i]) for i in inputs] for _ in range(slots)]
+            out_types = [block_type(mappings[i]) for i in outputs]
+            barrier_types = ([plgpu.Barrier(num_arrivals=len(inputs)) for _ in range(slots)]
+                             if inputs else [])
+            return pl.run_scoped(lambda ins, outs, bars: run_steps(ins, outs, bars, scratch),
+                                 in_types, out_types, barrier_types)
 
         allocate([], scratch_types)
 
     body.__name__ = str(p.get("name") or "pallas_call")
-    # Edge blocks: TMA reads zeros past an array's edge and drops writes
-    # there; the simulator raises instead, so arrays are padded to whole
-    # blocks around the kernel.
-    padded = [_whole_blocks(bm) if w else bm.array_aval.shape
-              for bm, w in zip(mappings, windowed)]
-    inputs = [jax.numpy.pad(x, [(0, q - d) for d, q in zip(x.shape, shape)])
-              if tuple(shape) != tuple(x.shape) else x
-              for x, shape in zip(invals, padded[:n_in])]
+    if hardware:
+        shapes = [bm.array_aval.shape for bm in mappings]
+        params = dict(compiler_params=dataclasses.replace(cp, dimension_semantics=None))
+    else:
+        # Edge blocks: TMA reads zeros past an array's edge and drops writes
+        # there; JAX 0.10's simulator raises instead, so the arrays are
+        # padded to whole blocks around the kernel.
+        shapes = [_whole_blocks(bm) if w else bm.array_aval.shape
+                  for bm, w in zip(mappings, windowed)]
+        params = {}
+    args = [jnp.pad(x, [(0, q - d) for d, q in zip(x.shape, shape)])
+            if tuple(shape) != tuple(x.shape) else x
+            for x, shape in zip(invals, shapes[:n_in])]
     out_type = [jax.ShapeDtypeStruct(shape, a.dtype)
-                for a, shape in zip(p["out_avals"], padded[n_in:])]
+                for a, shape in zip(p["out_avals"], shapes[n_in:])]
     outs = plgpu.kernel(body, out_type=out_type, grid=parallel_grid, grid_names=names,
-                        interpret=p["interpret"])(*inputs)
+                        interpret=p["interpret"], **params)(*args)
     return [o[tuple(slice(0, d) for d in a.shape)] if o.shape != a.shape else o
             for o, a in zip(outs, p["out_avals"])]
 

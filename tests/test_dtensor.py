@@ -63,6 +63,10 @@ class Case(NamedTuple):
     # torch's op on the DTensors too (torch's CPU SDPA has no DTensor
     # strategy: with a mask DTensor takes minutes to find that out)
     torch_on_dtensors: bool = True
+    # torch's op may replicate its operands first and answer Replicate where
+    # ours stays shard-local: torch 2.14's nll_loss has no sharded strategy
+    # for reduction="mean" (2.13 had one, Partial, and refused uneven shards)
+    torch_may_replicate: bool = False
 
 
 CASES = {
@@ -120,7 +124,7 @@ CASES = {
     "linear_cross_entropy tokens mean": Case(
         torch_pallas.linear_cross_entropy, _lce_reference,
         [(9, 8), (11, 8), (lambda: _targets(9, 11), False)], ["S0", "R", "S0"], ["P"],
-        collectives=1),
+        collectives=1, torch_may_replicate=True),
     "linear_cross_entropy tokens sum smoothed": Case(
         lambda x, w, t: torch_pallas.linear_cross_entropy(x, w, t, reduction="sum",
                                                           label_smoothing=0.1),
@@ -290,8 +294,10 @@ def test_runs_shard_local_in_torchs_placements(results, name):
     found = _case(results, name)
     assert found["placements"] == _names(CASES[name].results), found
     assert found["collectives"] == CASES[name].collectives, found
-    if isinstance(found["torch_placements"], list):
-        assert found["placements"] == found["torch_placements"], found
+    theirs = found["torch_placements"]
+    if isinstance(theirs, list) and not (
+            CASES[name].torch_may_replicate and all(p == ["R"] for p in theirs)):
+        assert found["placements"] == theirs, found
 
 
 @pytest.mark.parametrize("name", ALL)

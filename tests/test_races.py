@@ -108,6 +108,8 @@ def test_shipped_kernels_have_no_races(name):
         # (more steps than slots: kernels/mosaic_gpu/fences.py)
         torch.ops.pallas.swiglu(torch.randn(70, 300), torch.randn(70, 300))
         torch_pallas.layer_norm(torch.randn(70, 300), (300,))
+        x, w = torch.randn(70, 700, requires_grad=True), torch.rand(700, requires_grad=True)
+        torch_pallas.rms_norm(x, (700,), w, casting_mode="llama").sum().backward()
         torch_pallas.linear_cross_entropy(torch.randn(70, 64), torch.randn(300, 64),
                                           torch.randint(0, 300, (70,)))
         rotary = registry.get("rotary_embedding").examples("cpu", False)[0]

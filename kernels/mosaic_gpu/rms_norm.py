@@ -31,6 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from torch_pallas.kernels import rms_norm_math, shapes
 from torch_pallas.kernels.mosaic_gpu import compat
+from torch_pallas.kernels.mosaic_gpu.fences import fenced
 from torch_pallas.kernels.mosaic_gpu.tiles import smem_transforms
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.rms_norm_casting import Casting
@@ -142,7 +143,7 @@ def rms_norm_kernel(x_gmem, *refs, n: int, eps: float, casting: Casting, has_wei
         return total + (x * x).sum(axis=1)
 
     total = plgpu.emit_pipeline(
-        squares, grid=(col_tiles,), in_specs=[x_spec],
+        fenced(squares), grid=(col_tiles,), in_specs=[x_spec],
         max_concurrent_steps=tiles.steps(col_tiles),
         init_carry=tiles.rows(jnp.zeros((config.block_rows,), jnp.float32)),
     )(x_gmem)

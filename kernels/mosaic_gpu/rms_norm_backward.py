@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from torch_pallas.kernels.mosaic_gpu.fences import fenced
 from torch_pallas.kernels.mosaic_gpu.rms_norm import (
     ROW_AXIS,
     RowTilesConfig,
@@ -71,7 +72,7 @@ def rms_norm_dx_kernel(dy_gmem, x_gmem, rstd_gmem, *refs, n: int, casting: Casti
         return total + (g * x_hat).sum(axis=1)
 
     total = plgpu.emit_pipeline(
-        row_sums, grid=(col_tiles,), in_specs=specs,
+        fenced(row_sums), grid=(col_tiles,), in_specs=specs,
         max_concurrent_steps=tiles.steps(col_tiles),
         init_carry=tiles.rows(jnp.zeros((config.block_rows,), jnp.float32)),
     )(*gmem)
@@ -107,7 +108,7 @@ def rms_norm_dw_kernel(dy_gmem, x_gmem, rstd_gmem, shares_gmem, *, casting: Cast
     if tiles.hardware:
         zeros = plgpu.layout_cast(zeros, plgpu.Layout.WGMMA)
     acc = plgpu.emit_pipeline(
-        accumulate, grid=(row_blocks,),
+        fenced(accumulate), grid=(row_blocks,),
         in_specs=[tiles.spec(dy_gmem.dtype, lambda i: (i, col_tile)),
                   tiles.spec(x_gmem.dtype, lambda i: (i, col_tile)),
                   plgpu.BlockSpec((config.block_rows,), lambda i: (i,))],

@@ -276,7 +276,9 @@ def check_rounding(x, weight, casting_mode, what):
 def test_casting_modes_round_as_the_modules_formulas_bit_for_bit(dtype, weight_dtype,
                                                                    casting_mode):
     if casting_mode == "gemma" and weight_dtype is None:
-        pytest.skip("gemma needs a weight")
+        with pytest.raises(ValueError, match="casting_mode='gemma' .* needs a weight"):
+            torch_pallas.rms_norm(torch.randn(3, 8).to(dtype), (8,), None, casting_mode="gemma")
+        return
     x = torch.randn(3, 5, 37).to(dtype) * 3
     weight = None if weight_dtype is None else random_weight(37, weight_dtype, casting_mode)
     check_rounding(x, weight, casting_mode, f"{casting_mode} x {dtype} weight {weight_dtype}")
@@ -323,7 +325,9 @@ WEIGHTINGS = [(dtype, dtype) for dtype in FLOAT_DTYPES] + [
 @pytest.mark.parametrize("dtype,weight_dtype", WEIGHTINGS + [(torch.bfloat16, None)], ids=str)
 def test_casting_mode_gradients_match_float64(dtype, weight_dtype, casting_mode):
     if casting_mode == "gemma" and weight_dtype is None:
-        pytest.skip("gemma needs a weight")
+        with pytest.raises(ValueError, match="casting_mode='gemma' .* needs a weight"):
+            torch_pallas.rms_norm(torch.randn(3, 8).to(dtype), (8,), None, casting_mode="gemma")
+        return
     for shape in ((1, 7), (2, 3, 130)):  # ragged rows and widths, not multiples of 128
         weight = None if weight_dtype is None else random_weight(shape[-1], weight_dtype,
                                                                  casting_mode)

@@ -30,13 +30,13 @@ def core_index(num_cores: int):
     return jax.lax.axis_index(CORE_AXIS) if num_cores > 1 else 0
 
 
-def pipeline_core_split(num_cores: int, parallel_dims: int) -> dict:
+def pipeline_core_split(num_cores: int, parallel_dims: int, sequential_dims: int = 1) -> dict:
     """`emit_pipeline` keywords splitting the first `parallel_dims` grid
-    dimensions (PARALLEL) across the cores, the one after them sequential
-    (ARBITRARY) on each core; none with one core."""
+    dimensions (PARALLEL) across the cores, the `sequential_dims` after them
+    sequential (ARBITRARY) on each core; none with one core."""
     if num_cores <= 1:
         return {}
     return dict(
         core_axis_name=CORE_AXIS,
-        dimension_semantics=(pltpu.PARALLEL,) * parallel_dims + (pltpu.ARBITRARY,),
+        dimension_semantics=(pltpu.PARALLEL,) * parallel_dims + (pltpu.ARBITRARY,) * sequential_dims,
     )

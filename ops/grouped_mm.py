@@ -540,6 +540,7 @@ registry.register(registry.OpInfo(
     name=NAME,
     kernels={
         "tpu": "torch_pallas.kernels.tpu.grouped_mm",
+        "triton": "torch_pallas.kernels.triton.grouped_mm",
     },
     function=grouped_mm,
     torch_function=torch_grouped_mm,
@@ -580,6 +581,7 @@ registry.register(registry.OpInfo(
     name=f"{NAME}_backward",
     kernels={
         "tpu": "torch_pallas.kernels.tpu.grouped_mm_backward",
+        "triton": "torch_pallas.kernels.triton.grouped_mm_backward",
     },
     function=grouped_mm_backward,
     torch_function=reference_gradients,

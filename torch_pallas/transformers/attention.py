@@ -1,9 +1,11 @@
 """`attn_implementation="pallas"`: transformers' attention interface on
 `torch.ops.pallas.attention` (`attention_forward`), registered by
-`register()` with the SDPA masks. The package's docstring says how a model
+`register()` with the SDPA masks (and experts.py's experts_implementation
+"pallas" beside it). The package's docstring says how a model
 uses it.
 
-Imports: `torch_pallas.ops`; transformers itself only inside `register()`.
+Imports: `torch_pallas.ops`, `torch_pallas.transformers.experts`;
+transformers itself only inside `register()`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 
 # torch.ops.pallas.attention's public function (its direct path on plain eager calls).
 from torch_pallas.ops.attention import attention as pallas_attention
+from torch_pallas.transformers import experts as pallas_experts
 
 NAME = "pallas"
 # The oldest transformers this integration is tested on (CI runs it and the newest).
@@ -103,10 +106,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 def register() -> None:
-    """Registers attn_implementation="pallas" with transformers (idempotent)."""
+    """Registers attn_implementation="pallas" with transformers and, where
+    transformers has the experts interface (5.x), experts_implementation=
+    "pallas" (`experts.register`) (idempotent)."""
     require_transformers()
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, sdpa_mask)
+    pallas_experts.register()

@@ -41,7 +41,7 @@ import functools
 
 import torch
 
-from torch_pallas.ops.grouped_mm import grouped_mm
+from torch_pallas.ops.grouped_mm import DTYPES, grouped_mm
 from torch_pallas.ops.swiglu import swiglu
 
 NAME = "pallas"

@@ -19,6 +19,9 @@ modules is covered (Llama, Mistral, Qwen2, GPT-2 and their relatives):
 |               | `apply_rotary_pos_emb`                                         |                                  |
 | swiglu        | gated MLPs: `down_proj(act_fn(gate_proj(x)) * up_proj(x))`,    | swiglu                           |
 |               | act_fn SiLU                                                    |                                  |
+| experts       | MoE experts modules that dispatch through transformers'        | experts_implementation="pallas": |
+|               | ExpertsInterface (transformers 5.x: Mixtral, Qwen2/3-MoE,      | grouped_mm, swiglu where the     |
+|               | gpt-oss, ...)                                                  | gate is SiLU's                   |
 | linear        | torch.nn.Linear, transformers' Conv1D                          | matmul (`nn.replace_linear`)     |
 | cross_entropy | a causal LM whose loss is transformers' ForCausalLMLoss on its | linear_cross_entropy             |
 |               | linear output embeddings (the LM head)                         |                                  |
@@ -36,6 +39,11 @@ as any others.
 How each is patched, on this model only:
 - attention: `register()` and `model.set_attn_implementation("pallas")`
   (the model's config; config.json is written as before);
+- experts: `register()` and `model.set_experts_implementation("pallas")`
+  (likewise), unless an experts module holds weights grouped_mm does not
+  take (quantized ones): then the model's experts keep their
+  implementation as a whole. transformers 4.x has no experts interface:
+  nothing is switched and the report says so;
 - torch.nn.RMSNorm, torch.nn.LayerNorm, Linear, Conv1D: the module's class
   becomes torch_pallas.nn's drop-in subclass (as `replace_linear` does);
 - a model's own RMSNorm and MLP classes, its attention modules (rotary) and
@@ -94,9 +102,13 @@ from torch_pallas.ops.rotary_embedding import rotary_embedding as pallas_rotary_
 from torch_pallas.ops.rotary_embedding import torch_rotary_embedding
 from torch_pallas.ops.swiglu import swiglu as pallas_swiglu
 from torch_pallas.transformers import attention as pallas_attention
+from torch_pallas.transformers import experts as pallas_experts
 
 WHERE = "torch_pallas.transformers.apply"
 KINDS = ("attention", "rms_norm", "layer_norm", "rotary", "swiglu", "linear", "cross_entropy")
+# The mixture-of-experts kinds, reported after the kinds every model may have.
+MOE_KINDS = ("experts",)
+REPORTED = (*KINDS, *MOE_KINDS)
 
 
 @dataclasses.dataclass
@@ -113,6 +125,7 @@ class Report:
     swiglu: int | None = None  # gated MLPs
     linear: int | None = None  # Linear and Conv1D layers on the Pallas matmul
     cross_entropy: int | None = None  # 1: the LM head and loss fused in training
+    experts: int | None = None  # MoE experts modules on experts_implementation="pallas"
     left_alone: list[str] = dataclasses.field(default_factory=list)
 
     WHAT: typing.ClassVar[dict[str, str]] = {
@@ -123,15 +136,16 @@ class Report:
         "swiglu": "gated MLPs on torch_pallas.swiglu",
         "linear": "Linear/Conv1D layers on torch_pallas.matmul",
         "cross_entropy": "LM head + loss on torch_pallas.linear_cross_entropy (training, labels)",
+        "experts": 'MoE experts modules on experts_implementation="pallas" (grouped_mm)',
     }
 
     @property
     def total(self) -> int:
-        return sum(getattr(self, kind) or 0 for kind in KINDS)
+        return sum(getattr(self, kind) or 0 for kind in REPORTED)
 
     def __str__(self) -> str:
         lines = [f"{WHERE}({self.model}), in place:"]
-        for kind in KINDS:
+        for kind in REPORTED:
             count = getattr(self, kind)
             what = "off" if count is None else f"{count:3d}  {self.WHAT[kind]}"
             lines.append(f"  {kind:<14}{what}")
@@ -141,7 +155,8 @@ class Report:
 
 def apply(model: torch.nn.Module, *, attention: bool = True, rms_norm: bool = True,
           layer_norm: bool = True, rotary: bool = True, swiglu: bool = True,
-          linear: bool = True, cross_entropy: bool = True, verbose: bool = False) -> Report:
+          linear: bool = True, cross_entropy: bool = True, experts: bool = True,
+          verbose: bool = False) -> Report:
     """Puts `model` (a transformers model, or any module holding their
     layers) on the Pallas training ops IN PLACE and returns a `Report` of
     what now runs on them. Each keyword switches one kind off (the table in
@@ -155,7 +170,8 @@ def apply(model: torch.nn.Module, *, attention: bool = True, rms_norm: bool = Tr
     instance and its state dict) to have it unpatched.
     """
     flags = dict(attention=attention, rms_norm=rms_norm, layer_norm=layer_norm, rotary=rotary,
-                 swiglu=swiglu, linear=linear, cross_entropy=cross_entropy, verbose=verbose)
+                 swiglu=swiglu, linear=linear, cross_entropy=cross_entropy, experts=experts,
+                 verbose=verbose)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{WHERE}: model must be a torch.nn.Module, got {type(model).__name__}")
     for name, value in flags.items():
@@ -169,8 +185,8 @@ def apply(model: torch.nn.Module, *, attention: bool = True, rms_norm: bool = Tr
     # Each kind's modules are checked against torch's composition as they are
     # patched; Linear layers go last, so that those checks run on torch's products.
     steps = (("attention", _attention), ("rms_norm", _rms_norms), ("layer_norm", _layer_norms),
-             ("rotary", _rotary), ("swiglu", _gated_mlps), ("cross_entropy", _fused_loss),
-             ("linear", _linears))
+             ("rotary", _rotary), ("swiglu", _gated_mlps), ("experts", _experts),
+             ("cross_entropy", _fused_loss), ("linear", _linears))
     for kind, patch in steps:
         if flags[kind]:
             setattr(report, kind, patch(model, checks))
@@ -178,7 +194,7 @@ def apply(model: torch.nn.Module, *, attention: bool = True, rms_norm: bool = Tr
     if verbose:
         print(report)
     if report.total == 0:
-        asked = [kind for kind in KINDS if flags[kind]]
+        asked = [kind for kind in REPORTED if flags[kind]]
         warnings.warn(f"{WHERE}: recognised nothing to put on the Pallas ops in "
                       f"{type(model).__name__} (looked for: {', '.join(asked) or 'nothing'}); "
                       "it runs as before", UserWarning, stacklevel=2)
@@ -630,6 +646,79 @@ def _gated_mlps(model, checks: _Checks) -> int:
                 continue
             _bind(m, "forward", "swiglu")
         count += 1
+    return count
+
+
+# --- MoE experts -------------------------------------------------------------------
+
+def _dispatches_experts(cls: type) -> bool:
+    """Whether `cls.forward` (or a function it wraps) picks its computation
+    by `config._experts_implementation`: transformers'
+    `@use_experts_implementation` experts classes."""
+    function = cls.forward
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is not None and "_experts_implementation" in code.co_names:
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False
+
+
+def _experts_weights_refused(module: torch.nn.Module) -> str | None:
+    """What in an experts module grouped_mm does not take (None: nothing):
+    weights that are not (experts, ., .) tensors of its dtypes (quantized
+    experts)."""
+    names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
+    for name in names:
+        weight = getattr(module, name, None)
+        if not (isinstance(weight, torch.Tensor) and weight.dim() == 3
+                and weight.dtype in pallas_experts.DTYPES):
+            what = (f"a {weight.dim()}-D {weight.dtype} tensor" if isinstance(weight, torch.Tensor)
+                    else type(weight).__name__)
+            return f"its {name} is {what}, not 3-D float32, float16 or bfloat16 weights"
+    return None
+
+
+def _experts(model, checks: _Checks) -> int:
+    """experts_implementation="pallas" for the experts modules that dispatch
+    through transformers' ExpertsInterface (they read
+    `config._experts_implementation`); left alone as a whole, as attention
+    is, when one of them holds weights grouped_mm does not take, and on a
+    transformers without the interface (4.x)."""
+    if pallas_experts.experts_interface() is None:
+        moe = [(name, m) for name, m in model.named_modules()
+               if name.rsplit(".", 1)[-1] == "experts"]
+        if moe:
+            import transformers
+
+            name, m = moe[0]
+            checks.leave_alone(name, m, f"transformers {transformers.__version__} has no experts "
+                               "interface (transformers.integrations.moe, 5.0 on): the experts "
+                               f"of its {len(moe)} MoE layers stay on torch")
+        return 0
+    layers = [(name, m) for name, m in model.named_modules() if _dispatches_experts(type(m))]
+    if not layers:
+        return 0
+    if not callable(getattr(model, "set_experts_implementation", None)):
+        checks.leave_alone("", model, f"{len(layers)} experts modules, but the model has no "
+                           "set_experts_implementation (pass a transformers PreTrainedModel)")
+        return 0
+    for name, m in layers:
+        why = _experts_weights_refused(m)
+        if why is not None:
+            checks.leave_alone(name, m, f"{why}; the model's {len(layers)} experts modules keep "
+                               "their implementation")
+            return 0
+    pallas_experts.register()
+    model.set_experts_implementation(pallas_experts.NAME)
+    count = 0
+    for name, m in layers:
+        implementation = getattr(getattr(m, "config", None), "_experts_implementation", None)
+        if implementation == pallas_experts.NAME:
+            count += 1
+        else:
+            checks.leave_alone(name, m, f"its config's experts_implementation stayed "
+                               f"{implementation!r} (set_experts_implementation did not reach it)")
     return count
 
 

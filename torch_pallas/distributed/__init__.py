@@ -30,7 +30,7 @@ import sys
 import torch
 
 DTENSOR = "torch.distributed.tensor"
-FAMILIES = ("matmul", "attention", "rows", "elementwise", "cross_entropy")
+FAMILIES = ("matmul", "attention", "rows", "elementwise", "cross_entropy", "grouped_mm")
 _registered = False
 
 

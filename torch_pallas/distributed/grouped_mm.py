@@ -1,0 +1,183 @@
+"""pallas::grouped_mm and its backward op under DTensor: the splits that
+each form of the op (ops/grouped_mm.py) computes exactly on local shards.
+
+Each form names its dimensions (`FORMS`); `offs`, when the form has it,
+holds global group ends over one of them (`sliced`) and is never split:
+
+- ROWS, 2-D x 3-D: mat_a (rows, k), mat_b (groups, k, n), offs over the
+  rows. Splits: n (mat_b Shard(2), bias Shard(1) -> out Shard(1), tensor
+  parallel by columns) and k (mat_a Shard(1), mat_b Shard(1) -> out
+  Partial).
+- BATCHED, 3-D x 3-D: mat_a (groups, m, k), mat_b (groups, k, n), no offs.
+  Splits: groups (both Shard(0), bias Shard(0) -> out Shard(0): expert
+  parallelism), m (mat_a Shard(1) -> out Shard(1)), n, and k (-> Partial).
+- CONTRACTION, 2-D x 2-D: mat_a (m, k), mat_b (k, n), offs over k, out
+  (groups, m, n). Splits: m (mat_a Shard(0) -> out Shard(1)) and n (mat_b
+  Shard(1), bias Shard(1) -> out Shard(2)).
+- COLUMNS, 3-D x 2-D: mat_a (groups, m, k), mat_b (k, n), offs over n.
+  Splits: m (mat_a Shard(1) -> out Shard(0)) and k (-> Partial).
+
+Not expressible, so DTensor gathers instead: any split of the groups or of
+the dimension offs slices where the form has offs. A rank's shard of offs
+(its groups' ends) does not say where its first group starts, and a
+rank's shard of the sliced dimension (rows of mat_a, say) starts at a
+global row the global ends in offs do not count from; a rule sees only
+placements, never a shift it could apply to offs. Expert parallelism over
+a ROWS call is the caller's (its own token exchange, each rank's offs
+built for its local rows and experts), as in torch's and transformers'
+own expert-parallel paths.
+
+A k split gives a Partial product; a bias, added once to the sum, is then
+Partial too (DTensor hands one rank the bias and the others zeros, no
+communication). The product is linear in each operand: mat_a or mat_b
+Partial (the bias Partial with it) and the rest whole gives a Partial
+product, as for torch's mm.
+
+The backward op's splits are the forward's: the same labels give dA
+mat_a's placement, dB mat_b's and dbias bias's; a result without the
+split label is Partial where it sums over it (dA over n, dB and dbias
+over the rows or m) and whole where none of its inputs has it (dbias
+under a k split). The incoming gradient Partial gives Partial gradients.
+
+The backward op's has_bias and output_mask decide the shapes of its
+results (an empty tensor where a gradient is not asked for), but DTensor
+caches a rule's decision, and the results' shapes, on the arguments from
+the first integer one (`register_sharding`'s default), and this op has
+none: its rule is registered keyed on them (`static_argnum=4`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.experimental import register_sharding
+
+from torch_pallas.ops.grouped_mm import Form
+
+
+class Labels(NamedTuple):
+    """Each tensor's dimension labels in one form; `sliced` is the label
+    offs holds ends over (None: no offs)."""
+
+    mat_a: tuple
+    mat_b: tuple
+    bias: tuple | None
+    out: tuple
+    sliced: str | None
+
+
+FORMS = {
+    Form.ROWS: Labels(("rows", "k"), ("groups", "k", "n"), ("groups", "n"), ("rows", "n"),
+                      "rows"),
+    Form.BATCHED: Labels(("groups", "m", "k"), ("groups", "k", "n"), ("groups", "n"),
+                         ("groups", "m", "n"), None),
+    Form.CONTRACTION: Labels(("m", "k"), ("k", "n"), ("groups", "n"), ("groups", "m", "n"),
+                             "k"),
+    Form.COLUMNS: Labels(("groups", "m", "k"), ("k", "n"), None, ("m", "n"), "n"),
+}
+
+
+def _labels(mat_a, mat_b) -> Labels:
+    form = {(2, 3): Form.ROWS, (3, 3): Form.BATCHED, (2, 2): Form.CONTRACTION,
+            (3, 2): Form.COLUMNS}[(mat_a.ndim, mat_b.ndim)]
+    return FORMS[form]
+
+
+def _splittable(labels: Labels) -> list[str]:
+    """The labels a shard computes exactly: all but the groups and the
+    dimension offs slices, where the form has offs."""
+    tied = () if labels.sliced is None else ("groups", labels.sliced)
+    found = []
+    for names in (labels.mat_a, labels.mat_b):
+        found += [name for name in names if name not in tied and name not in found]
+    return found
+
+
+def _placed(names: tuple | None, label: str, otherwise=Replicate()):
+    """Shard along `label` where the tensor has it, else `otherwise`."""
+    if names is None:
+        return None
+    return Shard(names.index(label)) if label in names else otherwise
+
+
+def _whole(tensor) -> Replicate | None:
+    return None if tensor is None else Replicate()
+
+
+def _partial(tensor) -> Partial | None:
+    return None if tensor is None else Partial()
+
+
+@register_sharding(torch.ops.pallas.grouped_mm.default)
+def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    labels = _labels(mat_a, mat_b)
+    bias_names = None if bias is None else labels.bias
+    offs_whole = _whole(offs)
+    found = [([Replicate()], [Replicate(), Replicate(), offs_whole, _whole(bias), None])]
+    for label in _splittable(labels):
+        out = _placed(labels.out, label, Partial())  # absent from out: contracted (k)
+        bias_placement = _placed(bias_names, label, out if isinstance(out, Partial)
+                                 else Replicate())  # added once to a Partial sum
+        found.append(([out], [_placed(labels.mat_a, label), _placed(labels.mat_b, label),
+                              offs_whole, bias_placement, None]))
+    # linear in each operand (affine with the bias, which is then Partial too)
+    found.append(([Partial()], [Partial(), Replicate(), offs_whole, _partial(bias), None]))
+    found.append(([Partial()], [Replicate(), Partial(), offs_whole, _partial(bias), None]))
+    return found
+
+
+def _gradient(names: tuple | None, label: str, inputs: tuple):
+    """A gradient's placement when `label` splits: along it where the
+    gradient has it; Partial where one of the `inputs` it is computed
+    from has it (a sum over it); whole otherwise. (Where the op returns an
+    empty tensor instead, a gradient not asked for, DTensor wraps it with
+    this placement unchecked and autograd drops it.)"""
+    if names is None:  # no bias in this form: dbias is always empty
+        return Replicate()
+    if label in names:
+        return Shard(names.index(label))
+    return Partial() if any(label in names_ for names_ in inputs) else Replicate()
+
+
+def grouped_mm_backward(grad_out, mat_a, mat_b, offs, has_bias, output_mask):
+    labels = _labels(mat_a, mat_b)
+    offs_whole = _whole(offs)
+    found = [([Replicate()] * 3, [Replicate(), Replicate(), Replicate(), offs_whole, None, None])]
+    for label in _splittable(labels):
+        results = [_gradient(labels.mat_a, label, (labels.out, labels.mat_b)),
+                   _gradient(labels.mat_b, label, (labels.out, labels.mat_a)),
+                   _gradient(labels.bias, label, (labels.out,))]
+        found.append((results, [_placed(labels.out, label), _placed(labels.mat_a, label),
+                                _placed(labels.mat_b, label), offs_whole, None, None]))
+    # linear in the incoming gradient; dB linear in mat_a, dA in mat_b
+    found.append(([Partial()] * 3, [Partial(), Replicate(), Replicate(), offs_whole, None, None]))
+    found.append(([Replicate(), Partial(), Replicate()],
+                  [Replicate(), Partial(), Replicate(), offs_whole, None, None]))
+    found.append(([Partial(), Replicate(), Replicate()],
+                  [Replicate(), Replicate(), Partial(), offs_whole, None, None]))
+    return found
+
+
+def _register_backward() -> None:
+    """register_sharding for the backward op, then its decisions keyed on
+    has_bias and output_mask too (see the module's docstring): torch's
+    propagator records what it keys an op's decisions on beside the op's
+    rule, which no public API reaches. Where that record is missing
+    (another torch), the decisions stay keyed on the tensors only: shapes
+    cached from a call asking for other gradients then fail loudly (a
+    gradient of the wrong shape), never silently."""
+    op = torch.ops.pallas.grouped_mm_backward.default
+    register_sharding(op)(grouped_mm_backward)
+    from torch.distributed.tensor import DTensor
+    dispatcher = getattr(DTensor, "_op_dispatcher", None)
+    infos = getattr(getattr(dispatcher, "sharding_propagator", None), "op_to_schema_info", None)
+    info = None if infos is None else infos.get(op)
+    if info is not None and hasattr(info, "static_argnum"):
+        infos[op] = dataclasses.replace(info, static_argnum=HAS_BIAS)
+
+
+HAS_BIAS = 4  # grouped_mm_backward's first argument that is not a tensor
+_register_backward()

@@ -540,6 +540,7 @@ registry.register(registry.OpInfo(
     name=NAME,
     kernels={
         "tpu": "torch_pallas.kernels.tpu.grouped_mm",
+        "mosaic_gpu": "torch_pallas.kernels.mosaic_gpu.grouped_mm",
         "triton": "torch_pallas.kernels.triton.grouped_mm",
     },
     function=grouped_mm,
@@ -581,6 +582,7 @@ registry.register(registry.OpInfo(
     name=f"{NAME}_backward",
     kernels={
         "tpu": "torch_pallas.kernels.tpu.grouped_mm_backward",
+        "mosaic_gpu": "torch_pallas.kernels.mosaic_gpu.grouped_mm_backward",
         "triton": "torch_pallas.kernels.triton.grouped_mm_backward",
     },
     function=grouped_mm_backward,

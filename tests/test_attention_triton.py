@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from attention_reference import Case, bound, make_case, reference, run_kernel, torch_error
-from helpers import assert_within
+from helpers import assert_within, compile_for_sm90
 from torch_pallas.kernels.triton import attention as forward_kernel
 from torch_pallas.kernels.triton import attention_backward as backward_kernel
 from torch_pallas.kernels.triton import interpreting
@@ -323,48 +323,28 @@ def test_autotuned_launches_share_one_autotuner_per_head_tile():
 
 # Compiles each kernel for a Hopper GPU (Triton's compiler needs no GPU):
 # the interpreter never type-checks the kernels as the compiler does.
-COMPILE = textwrap.dedent(
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from torch_pallas.kernels.triton import attention as fwd, attention_backward as bwd
+COMPILE = """
+from torch_pallas.kernels.triton import attention as fwd, attention_backward as bwd
 
-    def build(fn, dtype, meta, num_warps=4, num_stages=2):
-        signature, constants = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in meta:
-                signature[name] = "constexpr"
-                constants[(i,)] = meta[name]
-            elif name.endswith("_ptr"):
-                signature[name] = {"lse_ptr": "*fp32", "delta_ptr": "*fp32",
-                                   "keys_ptr": "*i32"}.get(name, dtype)
-            else:
-                signature[name] = "fp32" if name in ("scale", "drop_scale") else "i32"
-        return triton.compile(ASTSource(fn, signature, constants),
-                              target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps, num_stages=num_stages))
-
-    for dtype, on in (("*bf16", True), ("*fp32", False)):
-        meta = dict(HAS_MASK=on, CAUSAL=on, DROPOUT=on, BLOCK_E=64, BLOCK_EV=32, UPCAST=False,
-                    INPUT_PRECISION="ieee", BLOCK_M=32, BLOCK_N=32)
-        for fn in (fwd.attention_kernel, bwd.attention_dkdv_kernel, bwd.attention_dq_kernel):
-            print("BUILT", fn.__name__, dtype, build(fn, dtype, meta).metadata.shared)
-    print("BUILT attention_delta_kernel *bf16",
-          build(bwd.attention_delta_kernel, "*bf16", dict(BLOCK_M=64, BLOCK_EV=32)).metadata.shared)
-    """
-)
+POINTERS = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "keys_ptr": "*i32"}
+SCALARS = ("scale", "drop_scale")
+for dtype, on in (("*bf16", True), ("*fp32", False)):
+    meta = dict(HAS_MASK=on, CAUSAL=on, DROPOUT=on, BLOCK_E=64, BLOCK_EV=32, UPCAST=False,
+                INPUT_PRECISION="ieee", BLOCK_M=32, BLOCK_N=32)
+    for fn in (fwd.attention_kernel, bwd.attention_dkdv_kernel, bwd.attention_dq_kernel):
+        built = build(fn, meta, POINTERS, dtype, SCALARS, num_stages=2)
+        print("BUILT", fn.__name__, dtype, built.metadata.shared)
+built = build(bwd.attention_delta_kernel, dict(BLOCK_M=64, BLOCK_EV=32), POINTERS, "*bf16",
+              SCALARS, num_stages=2)
+print("BUILT attention_delta_kernel *bf16", built.metadata.shared)
+"""
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_the_gpu():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
-    out = subprocess.run([sys.executable, "-c", COMPILE], env=env, check=True,
-                         capture_output=True, text=True).stdout
-    built = [line.split() for line in out.splitlines() if line.startswith("BUILT")]
+    built = compile_for_sm90(COMPILE)
     assert [b[1:3] for b in built] == [
         [name, dtype] for dtype in ("*bf16", "*fp32")
         for name in ("attention_kernel", "attention_dkdv_kernel", "attention_dq_kernel")
-    ] + [["attention_delta_kernel", "*bf16"]], out
-    assert all(int(b[3]) <= 99 * 1024 for b in built), out  # shared memory of any GPU
+    ] + [["attention_delta_kernel", "*bf16"]], built
+    assert all(int(b[3]) <= 99 * 1024 for b in built), built  # shared memory of any GPU

@@ -132,10 +132,14 @@ def row_tile_visits(ends: torch.Tensor, rows: int, block_m: int) -> torch.Tensor
     visit = torch.arange(bound, dtype=torch.int64, device=device)
     group = torch.searchsorted(last, visit, right=True)  # G + 1 past the last visit
     owner = group.clamp(max=groups)
-    tile = first_tile[owner] + visit - (last - tiles)[owner]
+
+    def of_owner(per_group):  # (index_select: fake CUDA tensors take it, not indexing)
+        return per_group.index_select(0, owner)
+
+    tile = of_owner(first_tile) + visit - of_owner(last - tiles)
     used = group <= groups
-    lo = torch.where(used, torch.maximum(tile * block_m, all_starts[owner]), 0)
-    hi = torch.where(used, torch.minimum(tile * block_m + block_m, all_ends[owner]), 0)
+    lo = torch.where(used, torch.maximum(tile * block_m, of_owner(all_starts)), 0)
+    hi = torch.where(used, torch.minimum(tile * block_m + block_m, of_owner(all_ends)), 0)
     return torch.stack([owner, lo, hi], dim=1).to(torch.int32)
 
 
@@ -155,7 +159,7 @@ def grouped_mm(lhs, rhs, ends, bias=None, *, transpose_rhs: bool, out_dtype: str
     out = torch.empty((m, n), dtype=interpreter_safe_dtype(dtype), device=lhs.device)
     visits = row_tile_visits(ends, m, config.block_m)
     has_bias = bias is not None
-    bias_arg = bias if has_bias else out  # never read without a bias
+    bias_arg = bias if has_bias else lhs  # never read without a bias
     args = (lhs, rhs_kn, visits, bias_arg, out, n, k, groups,
             lhs.stride(0), lhs.stride(1), *rhs_kn.stride(),
             bias.stride(0) if has_bias else 0, out.stride(0), out.stride(1))

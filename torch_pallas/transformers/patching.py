@@ -320,22 +320,36 @@ def _attention(model, checks: _Checks) -> int:
     attention is then left alone as a whole."""
     layers = [(name, m) for name, m in model.named_modules()
               if _calls(type(m), "ALL_ATTENTION_FUNCTIONS")]
-    if not layers:
+    if not (layers and _switchable(model, checks, layers, "attention modules",
+                                   "set_attn_implementation", _attention_refused)):
         return 0
-    if not callable(getattr(model, "set_attn_implementation", None)):
-        checks.leave_alone("", model, f"{len(layers)} attention modules, but the model has no "
-                           "set_attn_implementation (pass a transformers PreTrainedModel)")
-        return 0
-    for name, m in layers:
-        why = pallas_attention.unsupported(_attention_keywords(m))
-        if why is not None:
-            checks.leave_alone(name, m, f"its attention passes {why}, which the Pallas attention "
-                               f"does not compute; the model's {len(layers)} attention modules "
-                               "keep their implementation")
-            return 0
     pallas_attention.register()
     model.set_attn_implementation(pallas_attention.NAME)
     return len(layers)
+
+
+def _switchable(model, checks: _Checks, layers: list, what: str, setter: str, refused) -> bool:
+    """Whether `model` can put these `layers` ((name, module) pairs, its
+    `what`) on "pallas" with its `setter`, one implementation for them all:
+    it has the setter and `refused(module)` (why not, or None) passes each.
+    Otherwise the first refusal is reported and the layers keep their
+    implementation as a whole."""
+    if not callable(getattr(model, setter, None)):
+        checks.leave_alone("", model, f"{len(layers)} {what}, but the model has no {setter} "
+                           "(pass a transformers PreTrainedModel)")
+        return False
+    for name, m in layers:
+        why = refused(m)
+        if why is not None:
+            checks.leave_alone(name, m, f"{why}; the model's {len(layers)} {what} keep their "
+                               "implementation")
+            return False
+    return True
+
+
+def _attention_refused(module: torch.nn.Module) -> str | None:
+    why = pallas_attention.unsupported(_attention_keywords(module))
+    return why and f"its attention passes {why}, which the Pallas attention does not compute"
 
 
 def _attention_keywords(module: torch.nn.Module) -> dict:
@@ -697,18 +711,9 @@ def _experts(model, checks: _Checks) -> int:
                                f"of its {len(moe)} MoE layers stay on torch")
         return 0
     layers = [(name, m) for name, m in model.named_modules() if _dispatches_experts(type(m))]
-    if not layers:
+    if not (layers and _switchable(model, checks, layers, "experts modules",
+                                   "set_experts_implementation", _experts_weights_refused)):
         return 0
-    if not callable(getattr(model, "set_experts_implementation", None)):
-        checks.leave_alone("", model, f"{len(layers)} experts modules, but the model has no "
-                           "set_experts_implementation (pass a transformers PreTrainedModel)")
-        return 0
-    for name, m in layers:
-        why = _experts_weights_refused(m)
-        if why is not None:
-            checks.leave_alone(name, m, f"{why}; the model's {len(layers)} experts modules keep "
-                               "their implementation")
-            return 0
     pallas_experts.register()
     model.set_experts_implementation(pallas_experts.NAME)
     count = 0

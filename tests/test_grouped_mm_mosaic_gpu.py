@@ -248,3 +248,18 @@ def test_float32_is_refused_on_the_hardware_by_name():
             a, b, e, out_dtype="float32", config=backward.ContractionConfig(), interpret=None),
             aval((64, 32), "float32"), aval((64, 16), "float32"), aval((2,), "int32"))
 
+
+
+def test_no_races():
+    """JAX's race detector on both kernels, their pipelines longer than
+    their slots (K, and a group's row tiles, in 4 steps of 2 slots) with
+    the masked edge tiles of the backward, a bias staged per group and a
+    row tile shared by three groups."""
+    sizes = [3, 150, 0, 50]
+    mat_a = random((210, 200), BF16, True)
+    weight = random((4, 20, 200), BF16, True)
+    bias = random((4, 20), BF16, True)
+    with torch_pallas.race_detection():
+        out = torch_pallas.grouped_mm(mat_a, weight.mT, offs=offs_of(sizes), bias=bias)
+        grads = torch.autograd.grad(out, (mat_a, weight, bias), torch.randn(out.shape).to(BF16))
+    assert all(g.isfinite().all() for g in grads)

@@ -215,18 +215,18 @@ def _forward(mat_a, mat_b, offs, bias, out_dtype, form: Form, groups: int, out_s
         g, m, k = mat_a.shape
         if k == 0:
             out = mat_a.new_zeros(out_shape, dtype=torch.float32)
-            return (out if bias is None else out + bias[:, None].float()).to(out_dtype)
+            return (out if bias is None else out + bias.unsqueeze(1).float()).to(out_dtype)
         out = ragged_rows(mat_a.reshape(g * m, k), mat_b, _uniform_ends(g, m, mat_a.device),
                           bias, out_dtype)
         return out.reshape(out_shape)
     if form is Form.CONTRACTION:
         if mat_a.shape[1] == 0:  # every group empty
             out = mat_a.new_zeros(out_shape, dtype=torch.float32)
-            return (out if bias is None else out + bias[:, None].float()).to(out_dtype)
+            return (out if bias is None else out + bias.unsqueeze(1).float()).to(out_dtype)
         # out[g] = A[:, K_g] @ B[K_g]: the contraction over K's rows of A^T and B.
         wide = torch.float32 if bias is not None else out_dtype
         out = ragged_contraction(mat_a.mT, mat_b, _ends(offs), wide)
-        return out if bias is None else (out + bias[:, None].float()).to(out_dtype)
+        return out if bias is None else (out + bias.unsqueeze(1).float()).to(out_dtype)
     # COLUMNS: out^T (N, M) = B^T (N, K) times A[g]^T per group of B's columns.
     if mat_a.shape[2] == 0:
         return mat_a.new_zeros(out_shape, dtype=out_dtype)
@@ -249,7 +249,7 @@ def _group_of_rows(offs: torch.Tensor, rows: int) -> torch.Tensor:
 
 def _per_row(per_group: torch.Tensor, offs, rows: int) -> torch.Tensor:
     padded = torch.cat([per_group, per_group.new_zeros((1, *per_group.shape[1:]))])
-    return padded[_group_of_rows(offs, rows)]
+    return padded.index_select(0, _group_of_rows(offs, rows))
 
 
 def grouped_mm_implementation(mat_a: torch.Tensor, mat_b: torch.Tensor,
@@ -409,8 +409,8 @@ def _group_sums(rows: torch.Tensor, ends: torch.Tensor, groups: int) -> torch.Te
     dropped (selected away, so NaN there stays there)."""
     group = _group_of_rows(ends, rows.shape[0])
     sums = rows.new_zeros((groups + 1, rows.shape[1]), dtype=torch.float32)
-    kept = torch.where((group < groups)[:, None], rows.float(), 0.0)
-    return sums.index_add_(0, group, kept)[:groups]
+    kept = torch.where((group < groups).unsqueeze(1), rows.float(), 0.0)
+    return sums.index_add_(0, group, kept).narrow(0, 0, groups)
 
 
 def _filled(grad_a, grad_b, grad_bias, mat_a, mat_b):
@@ -480,7 +480,7 @@ def reference(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None) -> torch.Te
     form = _form(a, b)
     if form is Form.BATCHED:
         out = a @ b
-        return out if bias is None else out + bias[:, None]
+        return out if bias is None else out + bias.unsqueeze(1)
     bounds = [0, *offs.tolist()]
     pieces = list(zip(bounds[:-1], bounds[1:]))
     if form is Form.ROWS:
@@ -491,7 +491,7 @@ def reference(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None) -> torch.Te
     if form is Form.CONTRACTION:
         out = torch.stack([a[:, s:e] @ b[s:e] for s, e in pieces]) if pieces else \
             a.new_zeros(0, a.shape[0], b.shape[1])
-        return out if bias is None else out + bias[:, None]
+        return out if bias is None else out + bias.unsqueeze(1)
     out = a.new_zeros(a.shape[1], b.shape[1])
     for g, (s, e) in enumerate(pieces):
         out[:, s:e] = a[g] @ b[:, s:e]

@@ -207,15 +207,14 @@ def test_kernels_compile_for_the_gpu():
 # The op and its backward traced on fake CUDA tensors (no GPU needed)
 # through AOTAutograd: each launch recorded as a Triton kernel, no call into
 # JAX left. (The backward op is called directly: tracing autograd on CUDA
-# tensors needs a CUDA torch; without dbias, whose `[:, None]` a CPU-only
-# torch cannot index on fake CUDA tensors.)
+# tensors needs a CUDA torch.)
 TRACED_MODEL = """
 class Model(torch.nn.Module):
     def forward(self, x, w, bias, offs, dy):
         y = torch.ops.pallas.grouped_mm(x, w.mT, offs, bias)
-        dx, dw, _ = torch.ops.pallas.grouped_mm_backward(dy, x, w.mT, offs, False,
-                                                         [True, True, False])
-        return y, dx, dw
+        dx, dw, dbias = torch.ops.pallas.grouped_mm_backward(dy, x, w.mT, offs, True,
+                                                             [True, True, True])
+        return y, dx, dw, dbias
 """
 TRACED_INPUTS = """
 x = torch.randn(100, 64, device="cuda", dtype=torch.bfloat16)

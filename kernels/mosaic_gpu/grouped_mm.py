@@ -19,8 +19,8 @@ store are our own.
   `plgpu.emit_pipeline` and multiplied by `wgmma` into a float32 `plgpu.ACC`,
   as kernels/mosaic_gpu/matmul.py does; the expert's weight is
   `rhs_gmem.at[g]`.
-- Epilogue per group: the accumulator (+ the group's bias row, float32),
-  rounded once, replaces the rows of the group in an SMEM output tile (a
+- Epilogue per group: the accumulator (+ the group's float32 bias row,
+  copied to SMEM by TMA while the product runs), rounded once, replaces the rows of the group in an SMEM output tile (a
   select on the row index: the other rows keep what the tile held). The
   tile starts as zeros, so rows of no group come out zero; rows outside
   the group never reach it, NaN included (the product's rows are
@@ -150,19 +150,23 @@ def grouped_mm_kernel(lhs_gmem, rhs_gmem, bounds_gmem, tiles_gmem, *rest, transp
 
         return pl.run_scoped(scoped, plgpu.ACC((tile_m, tile_n), jnp.float32))
 
-    def group(g, _):
+    def group(g, carry):
         start, end = bounds_gmem[0, g], bounds_gmem[1, g]
 
         @pl.when(end > start)
         def _():
+            if has_bias:  # in flight while the product runs
+                plgpu.commit_smem()  # after the previous group's reads of bias_smem
+                plgpu.copy_gmem_to_smem(bias_gmem.at[g, pl.ds(ni * tile_n, tile_n)], bias_smem,
+                                        bias_barrier)
             y = product(g)
             if has_bias:
-                y = y + bias_tile(target, bias_gmem.at[g, pl.ds(ni * tile_n, tile_n)],
-                                  bias_smem, bias_barrier, y.shape)
+                plgpu.barrier_wait(bias_barrier)
+                y = y + by_column(target, bias_smem, y.shape)
             mine = rows_within(target, y.shape, mi * tile_m, start, end)
             o_smem[...] = jnp.where(mine, y.astype(o_smem.dtype), load_tile(target, o_smem))
 
-        return _
+        return carry
 
     # Rows of no group stay zero.
     o_smem[...] = target.tile(jnp.zeros(o_smem.shape, o_smem.dtype))
@@ -173,13 +177,10 @@ def grouped_mm_kernel(lhs_gmem, rhs_gmem, bounds_gmem, tiles_gmem, *rest, transp
     plgpu.wait_smem_to_gmem(0)
 
 
-def bias_tile(target: Target, row_gmem, row_smem, barrier, shape):
-    """A (tile_n,) GMEM bias row broadcast over a tile's rows (in the
-    WGMMA layout on the hardware), staged through SMEM by TMA (registers
-    load such a row from SMEM only)."""
-    plgpu.commit_smem()  # the previous group's reads of row_smem come first
-    plgpu.copy_gmem_to_smem(row_gmem, row_smem, barrier)
-    plgpu.barrier_wait(barrier)
+def by_column(target: Target, row_smem, shape):
+    """A (tile_n,) SMEM row broadcast over a tile's rows (read in the
+    WGMMA layout's column vector on the hardware, which loads it from SMEM
+    only: the bias is staged there by TMA)."""
     if target.hardware:
         row = compat.load(row_smem, layout=plgpu.Layout.WGMMA.reduce(0))
     else:

@@ -27,6 +27,7 @@ import torch
 import torch_pallas
 from test_grouped_mm import check_gradients, check_values, offs_of, random
 from test_mosaic_gpu_lowering import aval, lower_for_hopper
+from torch_pallas.base import jax_env
 from torch_pallas.kernels.mosaic_gpu import grouped_mm as forward
 from torch_pallas.kernels.mosaic_gpu import grouped_mm_backward as backward
 
@@ -118,9 +119,7 @@ def test_every_group_empty():
 # --- the kernels, simulated with small tiles -------------------------------
 
 def _interpret():
-    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-    return InterpretGPUParams()
+    return jax_env.gpu_interpret_params(detect_races=False)
 
 
 SMALL_FORWARD = forward.GroupedMatmulConfig(tile_m=64, tile_n=64, max_concurrent_steps=3)

@@ -264,7 +264,8 @@ def test_apply_reports_the_experts_line():
     ours = copy.deepcopy(reference)
     report = torch_pallas.transformers.apply(ours)
     assert report.experts == 2 and ours.config._experts_implementation == "pallas"
-    assert '  experts         2  MoE experts modules on experts_implementation="pallas"' in str(report)
+    line = '  experts         2  MoE experts modules on experts_implementation="pallas"'
+    assert line in str(report)
     ids = torch.randint(0, VOCAB, BATCH)
     reference.eval(), ours.eval()
     with torch.no_grad():

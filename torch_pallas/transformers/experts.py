@@ -41,6 +41,7 @@ import functools
 
 import torch
 
+# DTYPES: the weights' dtypes grouped_mm takes (apply leaves others alone)
 from torch_pallas.ops.grouped_mm import DTYPES, grouped_mm
 from torch_pallas.ops.swiglu import swiglu
 

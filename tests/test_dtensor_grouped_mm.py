@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import zlib
 from typing import NamedTuple
 
 import pytest
@@ -32,6 +33,7 @@ import torch.multiprocessing as mp
 
 import torch_pallas
 from test_distributed import free_port
+from test_dtensor import _placement, _relative_error
 from torch_pallas.ops.grouped_mm import reference
 
 WORLD = 2
@@ -104,11 +106,6 @@ def _offs(case: Case) -> torch.Tensor | None:
     return torch.tensor(SIZES).cumsum(0).to(torch.int32)
 
 
-def _placement(name):
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    return {"R": Replicate(), "P": Partial()}.get(name) or Shard(int(name[1:]))
-
-
 def _shares(t) -> list[torch.Tensor]:
     """Each rank's share of a Partial t, in t's dtype (their exact sum in
     float64 is the tensor the reference takes)."""
@@ -122,15 +119,10 @@ def _distribute(t, mesh, name, rank):
     return distribute_tensor(t, mesh, [_placement(name)])
 
 
-def _error(got, expected) -> float:
-    got, expected = got.detach().double(), expected.detach().double()
-    return ((got - expected).abs().max() / (expected.abs().max() + 1e-30)).item()
-
-
-def _run(case: Case, dtype: torch.dtype, rank: int, mesh) -> dict:
+def _run(case: Case, dtype: torch.dtype, rank: int, mesh, seed: int) -> dict:
     from torch.distributed.tensor import Replicate, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
-    torch.manual_seed(7)
+    torch.manual_seed(seed)  # the same on both ranks
     full = [None if shape is None else torch.randn(shape).to(dtype) for shape in case.shapes]
     offs = _offs(case)
     split = [None if t is None else _distribute(t, mesh, p, rank).requires_grad_()
@@ -151,9 +143,46 @@ def _run(case: Case, dtype: torch.dtype, rank: int, mesh) -> dict:
     expected = reference(exact[0], exact[1], offs=offs, bias=exact[2])
     expected_grads = torch.autograd.grad((expected * weights.double()).sum(),
                                          [t for t in exact if t is not None])
-    found["value_error"] = _error(value, expected)
-    found["grad_errors"] = [_error(g.full_tensor(), e) for g, e in zip(grads, expected_grads)]
+    found["value_error"] = _relative_error(value, expected)
+    found["grad_errors"] = [_relative_error(g.full_tensor(), e)
+                            for g, e in zip(grads, expected_grads)]
     return found
+
+
+# The backward op on the same DTensors (the columns split) asking for other
+# gradients in turn: (output_mask, has_bias).
+MASKS = (((False, True, False), False), ((True, True, True), True), ((True, False, False), False),
+         ((False, False, True), True))
+
+
+def _masks(rank, mesh, seed) -> dict:
+    """Each call's results: their global shapes and, for those asked for,
+    their relative errors against the op on the whole tensors."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    torch.manual_seed(seed)
+    a, b, _ = (torch.randn(shape) for shape in ROWS)
+    grad_out, offs = torch.randn(ROWS[0][0], ROWS[1][2]), _offs(CASES[RUNS[0][0]])
+    split = [distribute_tensor(t, mesh, [_placement(p)])
+             for t, p in ((grad_out, "S1"), (a, "R"), (b, "S2"), (offs, "R"))]
+    found = {}
+    for mask, has_bias in MASKS:
+        whole = torch.ops.pallas.grouped_mm_backward(grad_out, a, b, offs, has_bias, list(mask))
+        got = torch.ops.pallas.grouped_mm_backward(*split, has_bias, list(mask))
+        found[mask, has_bias] = {
+            "shapes": [tuple(g.shape) for g in got], "expected": [tuple(w.shape) for w in whole],
+            "errors": [_relative_error(g.full_tensor(), w) for g, w in zip(got, whole)
+                       if w.numel()]}
+    return found
+
+
+def _guarded(rank, mesh, name, dtype) -> dict:
+    seed = zlib.crc32(f"{name} {dtype}".encode())
+    try:
+        if name == "output_mask":
+            return _masks(rank, mesh, seed)
+        return _run(CASES[name], DTYPES[dtype], rank, mesh, seed)
+    except Exception:  # noqa: BLE001 (reported per case by the parent)
+        return {"error": traceback.format_exc()}
 
 
 def _worker(rank, port, out_path):
@@ -162,12 +191,7 @@ def _worker(rank, port, out_path):
     try:
         from torch.distributed.device_mesh import init_device_mesh
         mesh = init_device_mesh("cpu", (WORLD,))
-        found = {}
-        for name, dtype in RUNS:
-            try:
-                found[name, dtype] = _run(CASES[name], DTYPES[dtype], rank, mesh)
-            except Exception:  # noqa: BLE001 (reported per case by the parent)
-                found[name, dtype] = {"error": traceback.format_exc()}
+        found = {run: _guarded(rank, mesh, *run) for run in RUNS + [("output_mask", "")]}
         if rank == 0:
             torch.save(found, out_path)
     finally:
@@ -176,15 +200,18 @@ def _worker(rank, port, out_path):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    """Every run's findings (rank 0's), or its traceback."""
     out_path = tmp_path_factory.mktemp("dtensor_grouped_mm") / "results.pt"
     mp.spawn(_worker, args=(free_port(), str(out_path)), nprocs=WORLD, join=True)
-    return torch.load(out_path)
+    found = torch.load(out_path)
+    for name, dtype in RUNS:
+        found.setdefault((name, dtype), {"error": "no result"})
+    return found
 
 
 def _found(results, name, dtype):
-    found = results[name, dtype]
-    assert "error" not in found, found.get("error")
-    return found
+    assert "error" not in results[name, dtype], results[name, dtype].get("error")
+    return results[name, dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -212,3 +239,14 @@ def test_values_and_gradients_equal_the_definition(results, name, dtype):
     tolerance = TOLERANCE[DTYPES[dtype]]
     assert found["value_error"] < tolerance, found
     assert max(found["grad_errors"]) < tolerance, found
+
+
+def test_the_backward_is_decided_per_output_mask_and_bias(results):
+    """DTensor caches a rule's decision and the results' shapes by the
+    arguments; the backward op's gradients asked for (and the bias) decide
+    its results' shapes: a call after one asking for others gets its own."""
+    found = _found(results, "output_mask", "")
+    for (mask, has_bias), call in found.items():
+        assert call["shapes"] == call["expected"], (mask, has_bias, call)
+        assert len(call["errors"]) == sum(mask[:2]) + (mask[2] and has_bias), call
+        assert max(call["errors"]) < 1e-5, (mask, has_bias, call)

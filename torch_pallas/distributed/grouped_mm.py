@@ -38,12 +38,17 @@ mat_a's placement, dB mat_b's and dbias bias's; a result without the
 split label is Partial where it sums over it (dA over n, dB and dbias
 over the rows or m) and whole where none of its inputs has it (dbias
 under a k split). The incoming gradient Partial gives Partial gradients.
+(labels.py's `strategies` has no whole result beside a split, nor a
+Partial bias beside a Partial product: the placements are built here.)
 
 The backward op's has_bias and output_mask decide the shapes of its
 results (an empty tensor where a gradient is not asked for), but DTensor
 caches a rule's decision, and the results' shapes, on the arguments from
 the first integer one (`register_sharding`'s default), and this op has
-none: its rule is registered keyed on them (`static_argnum=4`).
+none: a call asking for dA after one that did not would get dA's cached
+empty shape. Its decisions are keyed on them too (`static_argnum=4`),
+written into torch's private record beside the rule; the rule itself
+reads neither, so nothing else depends on that record.
 """
 
 from __future__ import annotations

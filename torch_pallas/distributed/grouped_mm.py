@@ -86,8 +86,13 @@ FORMS = {
 
 
 def _labels(mat_a, mat_b) -> Labels:
+    """The form's labels; for operands of no form (the op refuses them by
+    name when it runs), every dimension whole."""
     form = {(2, 3): Form.ROWS, (3, 3): Form.BATCHED, (2, 2): Form.CONTRACTION,
-            (3, 2): Form.COLUMNS}[(mat_a.ndim, mat_b.ndim)]
+            (3, 2): Form.COLUMNS}.get((mat_a.ndim, mat_b.ndim))
+    if form is None:
+        return Labels((None,) * mat_a.ndim, (None,) * mat_b.ndim, (None, None),
+                      (None,), None)
     return FORMS[form]
 
 
@@ -119,7 +124,7 @@ def _partial(tensor) -> Partial | None:
 @register_sharding(torch.ops.pallas.grouped_mm.default)
 def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     labels = _labels(mat_a, mat_b)
-    bias_names = None if bias is None else labels.bias
+    bias_names = None if bias is None else labels.bias or ()  # () where the op refuses one
     offs_whole = _whole(offs)
     found = [([Replicate()], [Replicate(), Replicate(), offs_whole, _whole(bias), None])]
     for label in _splittable(labels):

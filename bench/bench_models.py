@@ -8,7 +8,9 @@ embeddings, SwiGLU, Linear layers, attention, and the LM head with its loss
 fused) against the unpatched one at vocabulary 32000, with each step's peak
 memory (bench/memory.py: a fresh process's peak resident set on the CPU,
 torch's allocator's peak on a GPU) in the JSON as `peak_bytes` (and
-`peak_vs_torch`).
+`peak_vs_torch`). And the same for a mixture of experts, Qwen3-MoE and
+Mixtral (8 experts, top-2, expert width 768, hidden 512, 2 layers): a
+training step on transformers' default experts against apply()'s.
 
 The two models are timed side by side, round by round: each round of the
 converted model follows one round of the unconverted one, timed too (the
@@ -290,3 +292,66 @@ def test_generate_with_kv_cache(benchmark, provider):
     assert tokens.shape == (1, PROMPT + NEW_TOKENS)
     record(benchmark, Provider(provider), op="llama_generate", dtype=torch.float32,
            shape=(1, NEW_TOKENS), work=NEW_TOKENS, unit="tokens/s")
+
+
+# --- a mixture of experts: transformers' default experts against apply() --
+# Qwen3-MoE and Mixtral from configs, their experts on transformers' default
+# ("grouped_mm": F.grouped_mm) against the model patched by apply() (experts
+# on pallas::grouped_mm and pallas::swiglu, norms, attention and the rest).
+if SMOKE:
+    MOE = dict(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, width=24)
+else:
+    MOE = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, width=768)
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+def moe_config(family: str):
+    shared = {k: v for k, v in MOE.items() if k not in ("num_experts", "width")}
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**shared, num_experts=MOE["num_experts"],
+                                           moe_intermediate_size=MOE["width"],
+                                           max_position_embeddings=512)
+    return transformers.MixtralConfig(**shared, num_local_experts=MOE["num_experts"],
+                                      intermediate_size=MOE["width"], max_position_embeddings=512)
+
+
+def moe_model(family: str, provider: str):
+    """`family` from its config in training mode: transformers' default
+    experts ("torch") or patched by torch_pallas.transformers.apply."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(moe_config(family)).to(DEVICE).train()
+    if provider != "torch":
+        torch_pallas.transformers.apply(model)
+    return model
+
+
+@functools.cache
+def moe_models(family: str) -> dict:
+    return {name: moe_model(family, name) for name in PROVIDERS}
+
+
+def moe_step_ids():
+    generator = torch.Generator().manual_seed(3)
+    return torch.randint(0, MOE["vocab_size"], TRAIN, generator=generator).to(DEVICE)
+
+
+def moe_training_step(family: str, provider: str):
+    """A training step of `family` by `provider` (bench/memory.py's workload)."""
+    model, ids = moe_model(family, provider), moe_step_ids()
+    return lambda: train_step(model, ids)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_moe_training_step(benchmark, provider, family):
+    models, ids = moe_models(family), moe_step_ids()
+    benchmark.group = f"{family} train step {TRAIN[0]}x{TRAIN[1]}, apply()"
+    loss = timed(benchmark, provider, lambda: train_step(models[provider], ids),
+                 rounds=ROUNDS["step"], partner_call=lambda: train_step(models["torch"], ids))
+    torch.testing.assert_close(loss, train_step(models["torch"], ids), rtol=1e-4, atol=1e-4)
+    benchmark.extra_info["peak_bytes"] = None if SMOKE else memory.peak_bytes(
+        "bench_models:moe_training_step", family, provider, device=DEVICE)
+    record(benchmark, Provider(provider), op=f"{family}_train_step", dtype=torch.float32,
+           shape=(*TRAIN, MOE["hidden_size"]), work=TRAIN[0] * TRAIN[1], unit="tokens/s")

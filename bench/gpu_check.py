@@ -18,9 +18,10 @@ mosaic_gpu backend), meant to finish in a few minutes and need no network:
 5. every registered op's example calls (the training ops' forward and
    backward ops included) on each backend against their float64
    references, then the training ops' benchmark suites (rms_norm,
-   layer_norm, rotary_embedding, swiglu, linear_cross_entropy and the
-   patched Llama training step of bench_models.py) with pytest-benchmark:
-   speed against torch eager and compiled, and peak memory
+   layer_norm, rotary_embedding, swiglu, linear_cross_entropy, grouped_mm
+   with a Qwen3-MoE layer's experts against F.grouped_mm in bfloat16, and
+   the patched Llama and MoE training steps of bench_models.py) with
+   pytest-benchmark: speed against torch eager and compiled, and peak memory
    (torch.cuda.max_memory_allocated).
 
     python bench/gpu_check.py [--quick] [--tune]
@@ -192,7 +193,7 @@ def check_examples(backend: str, failures: list[str]) -> None:
 
 
 TRAINING_SUITES = ("bench_rms_norm.py", "bench_layer_norm.py", "bench_rotary_embedding.py",
-                   "bench_swiglu.py", "bench_linear_cross_entropy.py")
+                   "bench_swiglu.py", "bench_linear_cross_entropy.py", "bench_grouped_mm.py")
 
 
 JSON_NAME = "torch_pallas_gpu_check_training.json"

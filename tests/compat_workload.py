@@ -22,6 +22,7 @@ SERVES = {  # the parts each probe's private path serves
     "symint_hint": {"custom_op"},
     "eager_direct": {"ops", "autograd", "autocast", "layers"},
     "fp32_precision": {"precision"},
+    "sharding_key": {"sharding"},
 }
 parts = set().union(*SERVES.values()) if public == "all" else SERVES[public]
 
@@ -96,5 +97,12 @@ if "custom_op" in parts:  # its fake function reads symbolic sizes' hints
     for n in (5, 9):
         x = torch.randn(n, 3)
         torch.testing.assert_close(compiled(x), torch.cat([x, x]) + 1)
+
+if "sharding" in parts:  # the backward op, whose decisions need more keys, gets no rule
+    import torch_pallas.distributed.grouped_mm  # noqa: F401
+
+    rules = torch_compat._sharding_schema_infos()  # torch's own record, read directly
+    assert torch.ops.pallas.grouped_mm.default in rules
+    assert torch.ops.pallas.grouped_mm_backward.default not in rules
 
 print("OK")

@@ -29,6 +29,10 @@ probe                private path                       public fallback
 ``fp32_precision``   the float32 precision settings'    ``torch.backends.cuda.matmul`` and
                      C getters (read by every eager     ``torch.backends`` attributes
                      matmul call's plan key)
+``sharding_key``     DTensor's record of what an op's   none: the op gets no sharding rule
+                     cached sharding decisions are      (DTensor refuses it by name) where
+                     keyed on (``register_sharding``    its decisions need keys that
+                     keys on int arguments only)        ``register_sharding`` leaves out
 ===================  =================================  ====================================
 
 `TORCH_PALLAS_PUBLIC_API` (probe names, comma-separated, or ``all``), set
@@ -39,6 +43,7 @@ problem on a private path can step around it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -48,7 +53,7 @@ import torch
 from torch.autograd import forward_ad
 
 PROBES = ("autograd_kernel", "autocast_kernel", "tracing_types", "symint_hint", "eager_direct",
-          "fp32_precision")
+          "fp32_precision", "sharding_key")
 ENV_VAR = "TORCH_PALLAS_PUBLIC_API"
 
 
@@ -81,7 +86,8 @@ def available() -> dict[str, bool]:
             "tracing_types": _TRACING_TYPES is not None,
             "symint_hint": _SYMINT_HAS_NODE is not None,
             "eager_direct": EAGER is not None,
-            "fp32_precision": cuda_matmul_fp32_precision is not _public_fp32_precision}
+            "fp32_precision": cuda_matmul_fp32_precision is not _public_fp32_precision,
+            "sharding_key": _probe("sharding_key", _sharding_schema_infos) is not None}
 
 
 # --- autograd_kernel --------------------------------------------------------
@@ -324,3 +330,36 @@ def _fp32_precision() -> Callable[[], str | None]:
 # What the plans of eager matmul calls read per call (ops/matmul.py).
 cuda_matmul_fp32_precision: Callable[[], str | None] = (
     _probe("fp32_precision", _fp32_precision) or _public_fp32_precision)
+
+
+# --- sharding_key ---------------------------------------------------------
+# Probed when a sharding rule is registered (torch_pallas.distributed), not
+# when torch_pallas is imported: that would import DTensor.
+
+def _sharding_schema_infos() -> dict:
+    from torch.distributed.tensor import DTensor
+
+    infos = DTensor._op_dispatcher.sharding_propagator.op_to_schema_info
+    if not isinstance(infos, dict):
+        raise TypeError("DTensor's schema infos are not a dict")
+    return infos
+
+
+def register_sharding_keyed(op, rule: Callable, static_argnum: int) -> bool:
+    """`torch.distributed.tensor.experimental.register_sharding(op)(rule)`,
+    with DTensor's cached decisions for `op` keyed on its arguments from
+    `static_argnum` on (register_sharding keys them on the first int
+    argument on: an op whose non-tensor arguments decide its results'
+    shapes would get another call's shapes). Where torch's record of those
+    keys is missing, nothing is registered and False returned."""
+    from torch.distributed.tensor.experimental import register_sharding
+
+    infos = _probe("sharding_key", _sharding_schema_infos)
+    if infos is None:
+        return False
+    register_sharding(op)(rule)
+    info = infos.get(op)
+    if info is None or not hasattr(info, "static_argnum"):
+        return False  # registered by another route: the rule stays off
+    infos[op] = dataclasses.replace(info, static_argnum=static_argnum)
+    return True

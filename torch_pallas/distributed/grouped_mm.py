@@ -47,19 +47,20 @@ caches a rule's decision, and the results' shapes, on the arguments from
 the first integer one (`register_sharding`'s default), and this op has
 none: a call asking for dA after one that did not would get dA's cached
 empty shape. Its decisions are keyed on them too (`static_argnum=4`),
-written into torch's private record beside the rule; the rule itself
-reads neither, so nothing else depends on that record.
+through base/torch_compat.py (torch's private record beside the rule;
+where a torch lacks it, the backward op gets no rule and DTensor refuses
+it by name rather than reuse another call's shapes).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
+from torch_pallas.base import torch_compat
 from torch_pallas.ops.grouped_mm import Form
 
 
@@ -171,23 +172,9 @@ def grouped_mm_backward(grad_out, mat_a, mat_b, offs, has_bias, output_mask):
     return found
 
 
-def _register_backward() -> None:
-    """register_sharding for the backward op, then its decisions keyed on
-    has_bias and output_mask too (see the module's docstring): torch's
-    propagator records what it keys an op's decisions on beside the op's
-    rule, which no public API reaches. Where that record is missing
-    (another torch), the decisions stay keyed on the tensors only: shapes
-    cached from a call asking for other gradients then fail loudly (a
-    gradient of the wrong shape), never silently."""
-    op = torch.ops.pallas.grouped_mm_backward.default
-    register_sharding(op)(grouped_mm_backward)
-    from torch.distributed.tensor import DTensor
-    dispatcher = getattr(DTensor, "_op_dispatcher", None)
-    infos = getattr(getattr(dispatcher, "sharding_propagator", None), "op_to_schema_info", None)
-    info = None if infos is None else infos.get(op)
-    if info is not None and hasattr(info, "static_argnum"):
-        infos[op] = dataclasses.replace(info, static_argnum=HAS_BIAS)
-
-
 HAS_BIAS = 4  # grouped_mm_backward's first argument that is not a tensor
-_register_backward()
+# Keyed on has_bias and output_mask too (the module's docstring), through
+# torch's private record of the keys (base/torch_compat.py); without it the
+# backward op has no rule and DTensor refuses it by name.
+torch_compat.register_sharding_keyed(torch.ops.pallas.grouped_mm_backward.default,
+                                     grouped_mm_backward, HAS_BIAS)

@@ -304,3 +304,20 @@ def test_a_transformers_without_the_experts_interface(monkeypatch):
     assert report.experts == 0 and m.config._experts_implementation == "eager"
     assert any("has no experts interface" in item and "2 MoE layers stay on torch" in item
                for item in report.left_alone), report.left_alone
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_experts_on_every_cpu_backend(family, cpu_backend):
+    """The experts module (Qwen3-MoE's SiLU gate on swiglu; gpt-oss's
+    biases and clamped gate) on each CPU backend, the simulators included,
+    against eager, with an expert that receives no token."""
+    module = experts_of(model(family, "eager"))[0]
+    used = list(range(1, module.num_experts))
+    hidden, index, weights = routing(module, used)
+    expected = forward_and_gradients(eager_forward(module), module, hidden, index, weights)
+    got = forward_and_gradients(pallas_experts.experts_forward, module, hidden, index, weights)
+    for what, g, e in zip(("output", "hidden", "weights"), got[:3], expected[:3]):
+        assert_close(g, e, msg=f"{cpu_backend}: {what}")
+    for name, grad in got[3].items():
+        assert_close(grad, expected[3][name], msg=f"{cpu_backend}: {name}")
+        assert not grad[0].any(), name

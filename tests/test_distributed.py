@@ -49,6 +49,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _mesh_worker(rank, world, port, out_path, collect):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        found = collect(rank, init_device_mesh("cpu", (world,)))
+        if rank == 0:
+            torch.save(found, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def on_gloo_mesh(collect, world: int, directory):
+    """Rank 0's `collect(rank, mesh)` (a module-level function), each of
+    `world` spawned gloo processes calling it on one 1-D CPU device mesh."""
+    out_path = directory / "results.pt"
+    mp.spawn(_mesh_worker, args=(world, free_port(), str(out_path), collect), nprocs=world,
+             join=True)
+    return torch.load(out_path)
+
+
 def test_ddp_gradients_equal_a_single_process_on_the_union(tmp_path):
     torch.manual_seed(0)
     model = build_model()

@@ -19,19 +19,16 @@ op (or the composition of torch ops it replaces). The parent checks that
 from __future__ import annotations
 
 import math
-import os
 import traceback
 from collections.abc import Callable
 from typing import NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import torch_pallas
-from test_distributed import free_port
+from test_distributed import on_gloo_mesh
 from torch_pallas.ops.linear_cross_entropy import torch_linear_cross_entropy
 from torch_pallas.ops.rotary_embedding import torch_rotary_embedding  # transformers' composition
 
@@ -254,29 +251,19 @@ def _relative_error(got, expected):
     return ((got - expected).abs().max() / (expected.abs().max() + 1e-30)).item()
 
 
-def _worker(rank, port, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (WORLD,))
-        found = {}
-        for name in ALL:
-            try:
-                found[name] = _run_case(name, rank, mesh)
-            except Exception:  # noqa: BLE001 (reported per case by the parent)
-                found[name] = {"error": traceback.format_exc()}
-        if rank == 0:
-            torch.save(found, out_path)
-    finally:
-        dist.destroy_process_group()
+def _collect(rank, mesh):
+    found = {}
+    for name in ALL:
+        try:
+            found[name] = _run_case(name, rank, mesh)
+        except Exception:  # noqa: BLE001 (reported per case by the parent)
+            found[name] = {"error": traceback.format_exc()}
+    return found
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out_path = tmp_path_factory.mktemp("dtensor") / "results.pt"
-    mp.spawn(_worker, args=(free_port(), str(out_path)), nprocs=WORLD, join=True)
-    return torch.load(out_path)
+    return on_gloo_mesh(_collect, WORLD, tmp_path_factory.mktemp("dtensor"))
 
 
 def _case(results, name):

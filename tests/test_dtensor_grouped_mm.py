@@ -21,18 +21,15 @@ weighted sum of the result; the parent checks that
 
 from __future__ import annotations
 
-import os
 import traceback
 import zlib
 from typing import NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import torch_pallas
-from test_distributed import free_port
+from test_distributed import on_gloo_mesh
 from test_dtensor import _placement, _relative_error
 from torch_pallas.ops.grouped_mm import reference
 
@@ -185,25 +182,14 @@ def _guarded(rank, mesh, name, dtype) -> dict:
         return {"error": traceback.format_exc()}
 
 
-def _worker(rank, port, out_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (WORLD,))
-        found = {run: _guarded(rank, mesh, *run) for run in RUNS + [("output_mask", "")]}
-        if rank == 0:
-            torch.save(found, out_path)
-    finally:
-        dist.destroy_process_group()
+def _collect(rank, mesh):
+    return {run: _guarded(rank, mesh, *run) for run in RUNS + [("output_mask", "")]}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Every run's findings (rank 0's), or its traceback."""
-    out_path = tmp_path_factory.mktemp("dtensor_grouped_mm") / "results.pt"
-    mp.spawn(_worker, args=(free_port(), str(out_path)), nprocs=WORLD, join=True)
-    found = torch.load(out_path)
+    found = on_gloo_mesh(_collect, WORLD, tmp_path_factory.mktemp("dtensor_grouped_mm"))
     for name, dtype in RUNS:
         found.setdefault((name, dtype), {"error": "no result"})
     return found

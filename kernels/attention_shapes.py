@@ -56,6 +56,41 @@ undropped softmax's. The backward uses the forward's keys: dv += (p Z)ᵀ do,
 dp = (do vᵀ) Z, ds = p * (dp - delta), delta = rowsum(do * o) of the
 dropped o (FlashAttention-2's derivation: rowsum(P * dp) = rowsum(do * o)).
 
+Spans and softcap (sliding windows, packed sequences, softcapping; the
+params name them only when used, so that a call without them is the kernel
+traced before they existed):
+
+- `spans=True` among the params: one more operand after the mask, spans
+  (L, 2) int32, the same for every batch and head: query row i sees key j
+  only if spans[i, 0] <= j < spans[i, 1] (on top of the mask; the op layer
+  folds a causal rule into the spans, so causal is False with them). Both
+  columns are non-decreasing in i and 0 <= spans[i, 0] <= spans[i, 1] <= S
+  (start == end: the row sees nothing, and gets o = 0, lse = +inf). This
+  one form carries SDPA with a window, a causal window aligned bottom-right
+  and packed variable-length sequences (rows of one sequence see a window
+  of that sequence's keys).
+  The backward gets a second operand right after it, key_spans (S, 2)
+  int32: key j is seen by query rows key_spans[j, 0] <= i < key_spans[j, 1]
+  (the transpose of spans, also non-decreasing; made by the op layer).
+  The kernels visit only the key blocks a query block's spans reach
+  (forward, dq: from spans[first row, 0] to spans[last row, 1]) and only
+  the query blocks a key block's key_spans reach (dk, dv), so the work is
+  that of the keys attended, not of the L x S square; element masks apply
+  where a block straddles a span's edge.
+- `softcap=c` (c > 0) among the params: scores are capped before masking,
+  s = c * tanh(scale * q.kᵀ / c) + mask (Gemma 2's logit softcapping). The
+  backward multiplies the scores' gradient by 1 - tanh², computed from the
+  same unmasked value: dq = scale * Σ_j ds_ij (1 - t_ij²) k_j, dk likewise.
+
+Sinks (a logit per query head in each row's softmax denominator) need no
+kernel: the op layer folds them into o and lse after the forward (o *=
+exp(lse - lse'), lse' = logaddexp(lse, sink)) and hands the backward that
+lse, with which the backward's p = exp(s - lse) is the probability with the
+sink; the sink's own gradient is a reduction the op layer does.
+
+Operands after the fixed ones are therefore `[mask][, spans][, key_spans]
+[, keys]`; `attention_operands` names them from the params.
+
 `execution` is what the backend passes (kernels/spec.py).
 """
 
@@ -144,3 +179,41 @@ def optional_operands(operands, dropout_p: float = 0.0) -> tuple:
     if len(operands) > 1:
         raise ValueError(f"attention: {len(operands)} operands where a mask or none is expected")
     return (operands[0] if operands else None), keys
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOperands:
+    """The optional operands of an attention call, None where absent."""
+
+    mask: object = None
+    spans: object = None  # (L, 2) int32 [start, end) of each query row's keys
+    key_spans: object = None  # (S, 2) int32, backward only
+    keys: object = None  # dropout's rows' keys
+
+
+def attention_operands(operands, params, *, backward: bool = False) -> AttentionOperands:
+    """Names the operands after the fixed ones (q, k, v; or q, k, v, o, do,
+    lse): `[mask][, spans][, key_spans][, keys]`, spans present when
+    params["spans"], key_spans with them in the backward, keys when
+    params["dropout_p"] > 0. Works on arrays and on avals alike."""
+    rest = list(operands)
+    keys = key_spans = spans = None
+    if params.get("dropout_p", 0.0) > 0:
+        if not rest:
+            raise ValueError("attention: dropout_p > 0 needs the dropout keys operand")
+        keys = rest.pop()
+    if params.get("spans", False):
+        if len(rest) < (2 if backward else 1):
+            raise ValueError("attention: spans=True needs the spans operand"
+                             + (" and key_spans" if backward else ""))
+        if backward:
+            key_spans = rest.pop()
+        spans = rest.pop()
+    if len(rest) > 1:
+        raise ValueError(f"attention: {len(rest)} operands where a mask or none is expected")
+    return AttentionOperands(rest[0] if rest else None, spans, key_spans, keys)
+
+
+def softcap_param(softcap: float) -> dict:
+    """A kernel's softcap keyword: none when off (0)."""
+    return {"softcap": float(softcap)} if softcap > 0 else {}

@@ -13,11 +13,13 @@ the same dtype, plus a small absolute floor (after flash-attention's tests).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.nn.functional as F
 
 from torch_pallas.ops import attention as attention_op
+from torch_pallas.ops import attention_spans
 
 # The absolute floor per dtype, for values of order 1.
 ATOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -36,6 +38,8 @@ class Case:
     scale: float
     dropout_p: float = 0.0
     seed: torch.Tensor | None = None  # the dropout's, with dropout_p > 0
+    spans: torch.Tensor | None = None  # (L, 2) int32: each row's [start, end) of keys
+    softcap: float = 0.0  # > 0: scores capped, c * tanh(s / c)
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -51,9 +55,22 @@ class Case:
                                          self.dropout_p)
 
     @property
+    def key_spans(self) -> torch.Tensor | None:
+        """The spans' transpose (S, 2), which the backward kernels take."""
+        return None if self.spans is None else attention_spans.key_spans(self.spans,
+                                                                         self.k.shape[2])
+
+    @property
     def extra(self) -> tuple:
-        """The operands after the fixed ones: [mask][, dropout keys]."""
-        return tuple(t for t in (self.mask, self.keys) if t is not None)
+        """The forward's operands after the fixed ones: [mask][, spans][,
+        dropout keys]."""
+        return tuple(t for t in (self.mask, self.spans, self.keys) if t is not None)
+
+    @property
+    def backward_extra(self) -> tuple:
+        """The backward's: [mask][, spans, key_spans][, dropout keys]."""
+        return tuple(t for t in (self.mask, self.spans, self.key_spans, self.keys)
+                     if t is not None)
 
     @property
     def inputs(self) -> tuple:
@@ -63,17 +80,27 @@ class Case:
     def params(self) -> dict:
         """The kernels' static parameters for this call."""
         params = dict(scale=self.scale, causal=self.causal)
+        if self.spans is not None:
+            params["spans"] = True
+        if self.softcap > 0:
+            params["softcap"] = self.softcap
         return params | ({"dropout_p": self.dropout_p} if self.dropout_p > 0 else {})
 
 
 def make_case(b=2, hq=4, hkv=2, l=37, s=45, e=32, ev=None, dtype=torch.float32, *,
               causal=False, mask=None, scale=None, mask_dtype=None, dropout_p=0.0,
-              generator=None) -> Case:
+              generator=None, window=None, sequences=None, softcap=0.0) -> Case:
     """Random inputs. mask: None, "full" (B, Hq, L, S), "batch" (B, 1, L, S),
     "heads" (1, Hq, L, S), "shared" (1, 1, L, S), each random with about a
     quarter of the entries -inf (and, for "padding", whole key columns
     masked per batch), or "empty_rows" (some query rows fully masked).
-    dropout_p > 0: a random dropout seed."""
+    dropout_p > 0: a random dropout seed.
+    window (left, right): spans of a sliding window aligned top-left (with
+    causal: folded into it, and causal False, as the op layer does);
+    sequences [(Lq, Lk), ...]: packed sequences (b must be 1, l and s at
+    least their sums; rows and keys past them unused), each with the window
+    (default (-1, -1); causal: (left, 0)) aligned bottom-right.
+    softcap > 0: capped scores."""
     ev = e if ev is None else ev
 
     def randn(*shape):
@@ -91,22 +118,55 @@ def make_case(b=2, hq=4, hkv=2, l=37, s=45, e=32, ev=None, dtype=torch.float32, 
         additive = additive.masked_fill(hidden, float("-inf")).to(mask_dtype or dtype)
     scale = (1.0 / e**0.5) if scale is None else scale
     seed = torch.randint(0, 2**32, (), generator=generator) if dropout_p > 0 else None
-    return Case(q, k, v, additive, causal, scale, dropout_p, seed)
+    spans = None
+    if window is not None or sequences is not None:
+        left, right = window or (-1, -1)
+        if causal:
+            right, causal = (0 if right < 0 else min(right, 0)), False
+        if sequences is None:
+            spans = attention_spans.window_spans(l, s, left, right, "cpu")
+        else:
+            cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+                          for n in zip(*sequences))
+            spans = attention_spans.sequence_spans(cu_q, cu_k, l, left, right)
+    return Case(q, k, v, additive, causal, scale, dropout_p, seed, spans, softcap)
 
 
 def reference_mask(case: Case, dtype=torch.float64) -> torch.Tensor | None:
-    """The case's mask and causal rule as one additive mask."""
+    """The case's mask, causal rule and spans as one additive mask."""
     l, s = case.q.shape[-2], case.k.shape[-2]
     mask = None if case.mask is None else case.mask.to(dtype)
+    hidden = None
     if case.causal:
         hidden = ~torch.ones(l, s, dtype=torch.bool).tril()
-        causal = torch.zeros(l, s, dtype=dtype).masked_fill(hidden, float("-inf"))
-        mask = causal if mask is None else mask + causal
+    if case.spans is not None:
+        outside = ~attention_spans.visible(case.spans, s)
+        hidden = outside if hidden is None else hidden | outside
+    if hidden is not None:
+        rule = torch.zeros(l, s, dtype=dtype).masked_fill(hidden, float("-inf"))
+        mask = rule if mask is None else mask + rule
     return mask
+
+
+def _scores(case: Case, q, k):
+    """scale * q kᵀ, capped with a softcap, plus the mask: (B, Hq, L, S)."""
+    group = case.q.shape[1] // case.k.shape[1]
+    scores = (q @ k.repeat_interleave(group, dim=1).mT) * case.scale
+    if case.softcap > 0:
+        scores = case.softcap * torch.tanh(scores / case.softcap)
+    mask = reference_mask(case, scores.dtype)
+    return scores if mask is None else scores + mask
 
 
 def _sdpa(case: Case, q, k, v, dtype):
     gqa = case.q.shape[1] != case.k.shape[1]
+    if case.softcap > 0:  # SDPA has no softcap: its math on the capped scores
+        scores = _scores(case, q, k)
+        empty = (scores == float("-inf")).all(-1, keepdim=True)
+        p = torch.softmax(scores.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+        if case.dropout_p > 0:
+            p = p * case.keep * attention_op.dropout_scale(case.dropout_p)
+        return p @ v.repeat_interleave(case.q.shape[1] // case.k.shape[1], dim=1)
     if case.dropout_p > 0:  # SDPA's math with the kernels' mask
         return attention_op.dropout_reference(q, k, v, reference_mask(case, dtype),
                                               case.dropout_p, case.keep, scale=case.scale,
@@ -120,12 +180,7 @@ def reference(case: Case, do: torch.Tensor | None = None):
     q, k, v = (t.detach().double().requires_grad_(do is not None)
                for t in (case.q, case.k, case.v))
     o = _sdpa(case, q, k, v, torch.float64)
-    group = case.q.shape[1] // case.k.shape[1]
-    scores = (q @ k.repeat_interleave(group, dim=1).mT) * case.scale
-    mask = reference_mask(case)
-    if mask is not None:
-        scores = scores + mask
-    lse = torch.logsumexp(scores, dim=-1).detach()
+    lse = torch.logsumexp(_scores(case, q, k), dim=-1).detach()
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows with no visible key
     o = torch.nan_to_num(o, nan=0.0)  # torch's math path: NaN rows where all is masked
     if do is None:

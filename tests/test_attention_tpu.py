@@ -8,6 +8,7 @@ lowered for a TPU; and the batched body's memory bound."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -60,12 +61,15 @@ def assert_within(name, out, ref, err_bound):
             f"want {[ref[tuple(i)].item() for i in where]}")
 
 
-def check(backend_name, case, *, config=None, detect_races=False, backward=True):
+def check(backend_name, case, *, config=None, detect_races=False, backward=True, run_on=None):
     """Forward (o, lse) and, with `backward`, (dq, dk, dv) against the float64
-    reference, within twice torch's own error plus the dtype's floor."""
+    reference, within twice torch's own error plus the dtype's floor; the
+    kernels run on `run_on` where given (the case with keys no row sees
+    changed)."""
     dtype = case.q.dtype
     params = case.params
-    o, lse = run(FORWARD, backend_name, case.inputs, config=config,
+    run_on = run_on or case
+    o, lse = run(FORWARD, backend_name, run_on.inputs, config=config,
                  detect_races=detect_races, **params)
     assert o.dtype == dtype and lse.dtype == torch.float32
     do = torch.randn(o.shape).to(dtype) if backward else None
@@ -78,7 +82,8 @@ def check(backend_name, case, *, config=None, detect_races=False, backward=True)
                   torch.full_like(ref[1], 4 * bound(torch.zeros(()), dtype).item()))
     if not backward:
         return
-    grads = run(BACKWARD, backend_name, (case.q, case.k, case.v, o, do, lse, *case.extra),
+    grads = run(BACKWARD, backend_name,
+                (run_on.q, run_on.k, run_on.v, o, do, lse, *run_on.backward_extra),
                 config=config, detect_races=detect_races, **params)
     for name, g, r, e in zip(("dq", "dk", "dv"), grads, ref[2], errors[1:]):
         assert g.dtype == dtype
@@ -150,6 +155,59 @@ def test_interpret_chunked(kw):
     check("interpret", make_case(**kw), config=SMALL)
 
 
+# Spans (windows, packed sequences) and softcap, on both block sizes.
+SPAN_CASES = {
+    "window_causal_l_ne_s": dict(l=37, s=45, window=(5, 0), causal=True),
+    "window_both_sides": dict(l=30, s=26, window=(3, 2), dtype=torch.bfloat16),
+    # An empty sequence, Lq > Lk (rows that see nothing), Lq < Lk, rows
+    # past the last sequence.
+    "packed_causal": dict(b=1, l=40, s=44, sequences=[(5, 7), (0, 3), (9, 9), (6, 4), (12, 9)],
+                          causal=True, dtype=torch.float16),
+    "softcap_causal": dict(softcap=3.0, causal=True),
+    "packed_softcap_gqa_mask": dict(b=1, hq=4, hkv=2, l=40, s=44, softcap=2.0, mask="heads",
+                                    sequences=[(5, 7), (0, 3), (9, 9), (6, 4), (12, 9)]),
+    "window_dropout": dict(window=(4, 1), dropout_p=0.3, dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("blocks", ["select_config", "small"])
+@pytest.mark.parametrize("kw", SPAN_CASES.values(), ids=SPAN_CASES.keys())
+def test_interpret_spans_and_softcap(kw, blocks):
+    check("interpret", make_case(**kw), config=SMALL if blocks == "small" else None)
+
+
+def unreachable_blocks_poisoned(case, block: int = 16):
+    """The case with NaN in every `block`-key block that no `block`-row
+    query block's spans reach: finite, correct results prove the kernels
+    never touch those blocks (a visited block's masked keys still enter
+    p @ v as 0 * value, so only whole blocks can be poisoned)."""
+    spans = case.spans
+    reached = torch.zeros(-(-case.k.shape[2] // block), dtype=torch.bool)
+    for first in range(0, spans.shape[0], block):
+        last = min(first + block, spans.shape[0]) - 1
+        reached[spans[first, 0] // block: -(-spans[last, 1] // block)] = True
+    poisoned = ~reached.repeat_interleave(block)[:case.k.shape[2]]
+    assert poisoned.sum() >= case.k.shape[2] // 2, "the case should skip most blocks"
+    k, v = case.k.clone(), case.v.clone()
+    k[:, :, poisoned] = float("nan")
+    v[:, :, poisoned] = float("nan")
+    return dataclasses.replace(case, k=k, v=v)
+
+
+def packed_with_gaps():
+    """Two packed sequences of 16 queries and 64 keys, each window (3, 0):
+    rows see at most 4 keys, near the end of their sequence's, so half the
+    16-key blocks are out of every query block's reach."""
+    case = make_case(b=1, hq=2, hkv=1, l=32, s=128, sequences=[(16, 64), (16, 64)],
+                     window=(3, 0))
+    return case
+
+
+def test_interpret_skips_the_blocks_no_span_reaches():
+    case = packed_with_gaps()
+    check("interpret", case, config=SMALL, run_on=unreachable_blocks_poisoned(case))
+
+
 def test_interpret_bounded_memory():
     """select_config keeps every float32 score block of the batched body (and
     the mask block read with it) cache-sized, far below any memory budget,
@@ -208,19 +266,39 @@ def test_tpu_interpret_race_free(kw):
     check("tpu_interpret", make_case(**kw), config=TPU_SMALL, detect_races=True)
 
 
+# 16 x 16 blocks: the span tables in SMEM pick the few blocks each query
+# block (forward, dq) or key block (dk, dv) reaches.
+TPU_SPANS = AttentionConfig(Body.PIPELINED, block_q=16, block_k=16,
+                            head_multiple=attention_blocks.LANES)
+
+
+def test_tpu_interpret_spans_softcap_race_free():
+    case = make_case(b=1, hq=2, hkv=1, l=40, s=44, e=8, softcap=2.0, mask="heads",
+                     sequences=[(5, 7), (0, 3), (9, 9), (6, 4), (12, 9)], causal=True,
+                     dtype=torch.bfloat16, mask_dtype=torch.float32)
+    check("tpu_interpret", case, config=TPU_SPANS, detect_races=True)
+
+
+def test_tpu_interpret_skips_the_blocks_no_span_reaches():
+    case = packed_with_gaps()
+    check("tpu_interpret", case, config=TPU_SPANS, run_on=unreachable_blocks_poisoned(case))
+
+
 # ---------------------------------------------------------------------------
 # Lowered for a TPU (2 TensorCores): every primitive has a Mosaic lowering
 
-LOWERED = {  # (dtype, Hkv, mask shape and dtype or None, causal, dropout_p), B=2, Hq=4,
-    # L=300, S=200
+LOWERED = {  # (dtype, Hkv, mask shape and dtype or None, causal, dropout_p[, spans and
+    # softcap]), B=2, Hq=4, L=300, S=200
     "float32_gqa_causal": ("float32", 2, None, True, 0.0),
     "bfloat16_mqa_heads_mask_f32": ("bfloat16", 1, ((1, 4), "float32"), False, 0.0),
     "float16_batch_mask_causal_dropout": ("float16", 4, ((2, 1), "float16"), True, 0.1),
+    "bfloat16_spans_softcap_dropout": ("bfloat16", 2, None, False, 0.1, True),
 }
 
 
-@pytest.mark.parametrize("dtype,hkv,mask,causal,dropout_p", LOWERED.values(), ids=LOWERED.keys())
-def test_tpu_lowering(dtype, hkv, mask, causal, dropout_p):
+@pytest.mark.parametrize("dtype,hkv,mask,causal,dropout_p,spans",
+                         [(*c, False)[:6] for c in LOWERED.values()], ids=LOWERED.keys())
+def test_tpu_lowering(dtype, hkv, mask, causal, dropout_p, spans):
     import jax
     import jax.numpy as jnp
 
@@ -235,10 +313,16 @@ def test_tpu_lowering(dtype, hkv, mask, causal, dropout_p):
     fwd = [aval((b, hq, l, e), dtype), aval((b, hkv, s, e), dtype), aval((b, hkv, s, ev), dtype)]
     extra = [aval((*mask[0], l, s), mask[1])] if mask else []
     params = {"scale": 0.125, "causal": causal}
+    backward_extra = list(extra)
+    if spans:
+        extra.append(aval((l, 2), "int32"))
+        backward_extra += [aval((l, 2), "int32"), aval((s, 2), "int32")]
+        params.update(spans=True, softcap=20.0)
     if dropout_p:
-        extra.append(aval((b, hq, l), "int32"))
+        for operands in (extra, backward_extra):
+            operands.append(aval((b, hq, l), "int32"))
         params["dropout_p"] = dropout_p
-    bwd = fwd + [aval((b, hq, l, ev), dtype)] * 2 + [aval((b, hq, l), "float32")] + extra
+    bwd = fwd + [aval((b, hq, l, ev), dtype)] * 2 + [aval((b, hq, l), "float32")] + backward_extra
     fwd = fwd + extra
     for spec, avals in ((attention.KERNEL, fwd), (attention_backward.KERNEL, bwd)):
         config = spec.config("tpu", tuple((a.shape, str(a.dtype)) for a in avals), params)

@@ -47,7 +47,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels import attention_dropout
 from torch_pallas.kernels.attention_shapes import (attention_dims, attention_flops,
-                                                   dropout_param, optional_operands)
+                                                   attention_operands, dropout_param,
+                                                   softcap_param)
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import attention_blocks as blocks_
 from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot, visible
@@ -59,26 +60,34 @@ from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 
 
 def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale, causal,
-                     kv_len, group, block_k, num_cores, dropout_p=0.0):
+                     kv_len, group, block_k, num_cores, dropout_p=0.0, spans=False,
+                     table=None, softcap=0.0):
     """q_hbm (B, Hq, Lp, Ep), k_hbm (B, Hkv, Sp, Ep), v_hbm (B, Hkv, Sp, Evp),
-    an optional mask (Bm, Hm, Lp, Sp), with dropout the rows' keys (B, Hq,
-    Lp, 1) int32; outputs o (B, Hq, Lp, Evp) and lse (B, Hq, Lp, 1);
-    scratch m, l (bq, LANES) and acc (bq, Evp), float32."""
+    an optional mask (Bm, Hm, Lp, Sp), with spans the rows' spans (Lp, 2)
+    and each query block's key blocks (2, Lp / bq) [first, past] (copied to
+    the SMEM scratch `table`), with dropout the rows' keys (B, Hq, Lp, 1)
+    int32; outputs o (B, Hq, Lp, Evp) and lse (B, Hq, Lp, 1); scratch m, l
+    (bq, LANES) and acc (bq, Evp), float32."""
     *ins, o_hbm, lse_hbm = refs
-    mask_hbm, keys_hbm = optional_operands(ins, dropout_p)
+    mask_hbm, spans_hbm, blocks_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, q_heads, lp, _ = q_hbm.shape
     sp = k_hbm.shape[2]
     bq, bk = acc_vmem.shape[0], block_k
     grid = (batch, q_heads, lp // bq, sp // bk)
+    if spans:
+        pltpu.sync_copy(blocks_hbm, table)
 
     def last_visible(i):
         return jnp.minimum((i * bq + bq - 1) // bk, grid[3] - 1)
 
-    def kv_step(i, j):  # a skipped causal block repeats the last visible one
+    def kv_step(i, j):
+        if spans:  # the j-th block the query block reaches; past them the last again
+            return blocks_.reached(table, i, j)
+        # a skipped causal block repeats the last visible one
         return jnp.minimum(j, last_visible(i)) if causal else j
 
     def body(q_ref, k_ref, v_ref, *rest):
-        mask_ref, keys_ref = optional_operands(rest[:-2], dropout_p)
+        mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-2], spans, dropout_p)
         o_ref, lse_ref = rest[-2:]
         # Global block indices (emit_pipeline adds the core's offset).
         i, j = pl.program_id(2), pl.program_id(3)
@@ -90,11 +99,12 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
             acc_vmem[...] = jnp.zeros_like(acc_vmem)
 
         def update():
-            s = dot(q_ref[...], k_ref[...], (1, 1)) * scale
+            s, _ = blocks_.capped(dot(q_ref[...], k_ref[...], (1, 1)) * scale, softcap)
             if mask_ref is not None:
                 s = s + mask_ref[...].astype(jnp.float32)
-            seen = visible(i * bq, j * bk, s.shape, causal=causal, kv_len=kv_len,
-                           padded_kv_len=sp)
+            row_spans = None if spans_ref is None else (spans_ref[:, 0:1], spans_ref[:, 1:2])
+            seen = visible(i * bq, kv_step(i, j) * bk, s.shape, causal=causal, kv_len=kv_len,
+                           padded_kv_len=sp, spans=row_spans)
             if seen is not None:
                 s = jnp.where(seen, s, -jnp.inf)
             m_old = m_vmem[...]
@@ -105,11 +115,14 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
             l_vmem[...] = alpha * l_vmem[...] + p.sum(axis=1, keepdims=True)
             v = v_ref[...]
             if keys_ref is not None:
-                p = p * attention_dropout.block_factors(keys_ref[...], j * bk, p.shape, dropout_p)
+                p = p * attention_dropout.block_factors(keys_ref[...], kv_step(i, j) * bk,
+                                                        p.shape, dropout_p)
             acc_vmem[...] = acc_vmem[...] * alpha[:, :1] + dot(p.astype(v.dtype), v, (1, 0))
             m_vmem[...] = m_new
 
-        if causal:
+        if spans:
+            pl.when(table[0, i] + j < table[1, i])(update)
+        elif causal:
             pl.when(j * bk <= i * bq + bq - 1)(update)
         else:
             update()
@@ -135,6 +148,9 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
+    if spans:
+        in_specs.append(pl.BlockSpec((bq, 2), lambda b, h, i, j: (i, 0)))
+        operands.append(spans_hbm)
     if keys_hbm is not None:
         in_specs.append(pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j: (b, h, i, 0)))
         operands.append(keys_hbm)
@@ -148,42 +164,53 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
     )(*operands, o_hbm, lse_hbm)
 
 
-def pipelined_attention(q, k, v, mask, keys, *, scale, causal, dropout_p, config, interpret,
-                        num_cores):
+def pipelined_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p, softcap,
+                        config, interpret, num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     lay, bq, bk = blocks_.pipelined_layout(dims, config)
-    operands = _operands(lay, q, k, v, mask, keys)
+    scratch = dict(m_vmem=pltpu.VMEM((bq, blocks_.LANES), jnp.float32),
+                   l_vmem=pltpu.VMEM((bq, blocks_.LANES), jnp.float32),
+                   acc_vmem=pltpu.VMEM((bq, lay.ev), jnp.float32))
+    tables = ()
+    if spans is not None:
+        spans = blocks_.edge_padded(spans, lay.lp)
+        tables = (spans, blocks_.span_blocks(spans, bq, bk))
+        scratch["table"] = pltpu.SMEM(tables[1].shape, jnp.int32)
+    operands = _operands(lay, q, k, v, mask, keys, tables)
     o, lse = pl.kernel(
         functools.partial(pipelined_kernel, scale=scale, causal=causal, kv_len=dims.kv_len,
                           group=dims.group, num_cores=num_cores, block_k=bk,
-                          **dropout_param(dropout_p)),
+                          **dropout_param(dropout_p), **softcap_param(softcap),
+                          **({"spans": True} if spans is not None else {})),
         out_type=(lay.row_type(lay.ev, q.dtype), lay.row_type(None, jnp.float32)),
         mesh=tensorcore_mesh(num_cores),
-        scratch_types=dict(m_vmem=pltpu.VMEM((bq, blocks_.LANES), jnp.float32),
-                           l_vmem=pltpu.VMEM((bq, blocks_.LANES), jnp.float32),
-                           acc_vmem=pltpu.VMEM((bq, lay.ev), jnp.float32)),
+        scratch_types=scratch,
         interpret=interpret,
     )(*operands)
     return lay.row_result(o, dims.value_dim), lay.row_result(lse)
 
 
-def _operands(lay, q, k, v, mask, keys) -> list:
-    """Both bodies' operands, laid out by `lay`."""
-    return [lay.rows(q, lay.e), lay.kv(k, lay.e), lay.kv(v, lay.ev), *lay.optional(mask, keys)]
+def _operands(lay, q, k, v, mask, keys, tables=()) -> list:
+    """Both bodies' operands, laid out by `lay`: q, k, v[, mask][, spans
+    tables][, dropout keys]."""
+    rows = [lay.rows(q, lay.e), lay.kv(k, lay.e), lay.kv(v, lay.ev), *lay.optional(mask, None)]
+    return rows + list(tables) + lay.optional(None, keys)
 
 
 # ---------------------------------------------------------------------------
 # Batched body (generic interpreter, CPU)
 
 
-def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dropout_p=0.0):
+def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dropout_p=0.0,
+                   spans=False, softcap=0.0):
     """q_hbm (B, Hkv, G, Lp, E), k_hbm (B, Hkv, Sp, E), v_hbm (B, Hkv, Sp, Ev),
-    an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp), with dropout the rows'
-    keys (B, Hkv, G, Lp) int32; outputs o (B, Hkv, G, Lp, Ev) and lse
-    (B, Hkv, G, Lp). Blocks are read straight from the operands (the
-    generic interpreter's refs are arrays)."""
+    an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp), with spans the rows'
+    spans (Lp, 2) and the query blocks' key chunks (2, Lp / bq), with
+    dropout the rows' keys (B, Hkv, G, Lp) int32; outputs o (B, Hkv, G, Lp,
+    Ev) and lse (B, Hkv, G, Lp). Blocks are read straight from the operands
+    (the generic interpreter's refs are arrays)."""
     *ins, o_hbm, lse_hbm = refs
-    mask_hbm, keys_hbm = optional_operands(ins, dropout_p)
+    mask_hbm, spans_hbm, table_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, kv_heads, _, lp, _ = q_hbm.shape
     sp = k_hbm.shape[2]
     bb, bh, bq, ck = blocks
@@ -204,6 +231,10 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dr
         rows = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh), slice(None), pl.ds(qi * bq, bq))
         q = (q_hbm[rows].astype(jnp.float32) * scale).reshape(flat, g * bq, -1)
         row_keys = None if keys_hbm is None else keys_hbm[rows].reshape(flat, g * bq, 1)
+        row_spans = None
+        if spans_hbm is not None:
+            span = spans_hbm[pl.ds(qi * bq, bq), :]
+            row_spans = (span[:, 0:1], span[:, 1:2])
 
         def weights(p, c0):
             """What multiplies v: p, dropped and rescaled with dropout."""
@@ -214,9 +245,9 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dr
             kv = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh), pl.ds(c0, n))
             k = k_hbm[kv].astype(jnp.float32).reshape(flat, n, -1)
             v = v_hbm[kv].astype(jnp.float32).reshape(flat, n, -1)
-            s = product(q, k, (2, 2))  # (bb * bh, G * bq, n)
+            s, _ = blocks_.capped(product(q, k, (2, 2)), softcap)  # (bb * bh, G * bq, n)
             seen = visible(qi * bq, c0, (bb, bh, g, bq, n), causal=causal, kv_len=kv_len,
-                           padded_kv_len=sp)
+                           padded_kv_len=sp, spans=row_spans)
             if mask_hbm is not None or seen is not None:
                 s = s.reshape(bb, bh, g, bq, n)
                 if mask_hbm is not None:
@@ -229,7 +260,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dr
                 s = s.reshape(flat, g * bq, n)
             return s, v
 
-        if ck >= sp:  # every key at once: a plain softmax
+        if ck >= sp and spans_hbm is None:  # every key at once: a plain softmax
             s, v = keys(0, sp)
             m = s.max(axis=-1, keepdims=True)
             m = jnp.where(m == -jnp.inf, 0.0, m)
@@ -237,9 +268,11 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dr
             l = p.sum(axis=-1, keepdims=True)
             acc = product(weights(p, 0), v, (2, 1))
         else:  # key chunks, online softmax
-            chunks = sp // ck
+            first, chunks = 0, sp // ck
             if causal:  # the chunks holding a key some row of the block sees
                 chunks = jnp.minimum(chunks, (qi * bq + bq + ck - 1) // ck)
+            if table_hbm is not None:  # the chunks the block's spans reach
+                first, chunks = table_hbm[0, qi], table_hbm[1, qi]
 
             def step(c, carry):
                 m_old, l_old, acc_old = carry
@@ -254,7 +287,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dr
             stats = (flat, g * bq, 1)
             init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
                     jnp.zeros((flat, g * bq, v_hbm.shape[-1]), jnp.float32))
-            m, l, acc = jax.lax.fori_loop(0, chunks, step, init)
+            m, l, acc = jax.lax.fori_loop(first, chunks, step, init)
             m = jnp.where(m == -jnp.inf, 0.0, m)
         empty = l == 0.0
         o = jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, l))
@@ -271,14 +304,20 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dr
         one_block(t // (grid[1] * grid[2]), (t // grid[2]) % grid[1], t % grid[2])
 
 
-def batched_attention(q, k, v, mask, keys, *, scale, causal, dropout_p, config, interpret,
-                      num_cores):
+def batched_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p, softcap, config,
+                      interpret, num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     lay, blocks = blocks_.batched_layout("attention", dims, config, num_cores)
-    operands = _operands(lay, q, k, v, mask, keys)
+    tables = ()
+    if spans is not None:
+        spans = blocks_.edge_padded(spans, lay.lp)
+        tables = (spans, blocks_.span_blocks(spans, blocks[2], blocks[3]))
+    operands = _operands(lay, q, k, v, mask, keys, tables)
     o, lse = pl.kernel(
         functools.partial(batched_kernel, blocks=blocks, scale=scale, causal=causal,
-                          kv_len=dims.kv_len, **dropout_param(dropout_p)),
+                          kv_len=dims.kv_len, **dropout_param(dropout_p),
+                          **softcap_param(softcap),
+                          **({"spans": True} if spans is not None else {})),
         out_type=(lay.row_type(lay.ev, q.dtype), lay.row_type(None, jnp.float32)),
         mesh=tensorcore_mesh(num_cores),
         interpret=interpret,
@@ -291,20 +330,20 @@ def batched_attention(q, k, v, mask, keys, *, scale, causal, dropout_p, config, 
 
 
 def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionConfig,
-              interpret, num_cores: int, dropout_p: float = 0.0):
+              interpret, num_cores: int, dropout_p: float = 0.0, spans: bool = False,
+              softcap: float = 0.0):
     """(o, lse) of softmax(scale * q kᵀ + mask [+ causal]) v, per
-    kernels/attention_shapes.py; `optional`: [mask][, dropout keys]."""
-    mask, keys = optional_operands(optional, dropout_p)
+    kernels/attention_shapes.py; `optional`: [mask][, spans][, dropout keys]."""
+    extra = attention_operands(optional, {"spans": spans, "dropout_p": dropout_p})
     run = batched_attention if config.body is Body.BATCHED else pipelined_attention
-    return run(q, k, v, mask, keys, scale=float(scale), causal=bool(causal),
-               dropout_p=float(dropout_p), config=config, interpret=interpret,
-               num_cores=num_cores)
+    return run(q, k, v, extra.mask, extra.spans, extra.keys, scale=float(scale),
+               causal=bool(causal), dropout_p=float(dropout_p), softcap=float(softcap),
+               config=config, interpret=interpret, num_cores=num_cores)
 
 
 def _dims(avals, params):
     shapes = [shape for shape, _ in avals]
-    mask, _ = optional_operands(shapes[3:], params.get("dropout_p", 0.0))
-    return attention_dims(*shapes[:3], mask)
+    return attention_dims(*shapes[:3], attention_operands(shapes[3:], params).mask)
 
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:

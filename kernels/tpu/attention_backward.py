@@ -47,7 +47,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels import attention_dropout
 from torch_pallas.kernels.attention_shapes import (attention_dims, attention_flops,
-                                                   dropout_param, optional_operands)
+                                                   attention_operands, dropout_param,
+                                                   softcap_param)
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import attention_blocks as blocks_
 from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot, visible
@@ -55,13 +56,23 @@ from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 
 
 def _masked_scores(q, k, mask, *, scale, q_start, k_start, causal, kv_len, padded_kv_len,
-                   contract, batch_dims=0):
-    s = dot(q, k, contract, batch_dims) * scale
+                   contract, batch_dims=0, softcap=0.0, spans=None):
+    """(the scores, masked, and the tanh of a softcap, or None)."""
+    s, t = blocks_.capped(dot(q, k, contract, batch_dims) * scale, softcap)
     if mask is not None:
         s = s + mask.astype(jnp.float32)
     seen = visible(q_start, k_start, s.shape, causal=causal, kv_len=kv_len,
-                   padded_kv_len=padded_kv_len)
-    return s if seen is None else jnp.where(seen, s, -jnp.inf)
+                   padded_kv_len=padded_kv_len, spans=spans)
+    return (s if seen is None else jnp.where(seen, s, -jnp.inf)), t
+
+
+def _uncapped(ds, t):
+    """The scores' gradient before a softcap: times 1 - tanh²."""
+    return ds if t is None else ds * (1.0 - t * t)
+
+
+def _row_spans(spans_ref):
+    return None if spans_ref is None else (spans_ref[:, 0:1], spans_ref[:, 1:2])
 
 
 # ---------------------------------------------------------------------------
@@ -69,35 +80,42 @@ def _masked_scores(q, k, mask, *, scale, q_start, k_start, causal, kv_len, padde
 
 
 def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem, dv_vmem,
-                scale, causal, kv_len, group, block_q, block_k, num_cores, dropout_p=0.0):
+                scale, causal, kv_len, group, block_q, block_k, num_cores, dropout_p=0.0,
+                spans=False, table=None, softcap=0.0):
     """Inputs padded: q (B, Hq, Lp, Ep), k (B, Hkv, Sp, Ep), v (B, Hkv, Sp,
     Evp), do (B, Hq, Lp, Evp), lse and delta (B, Hq, Lp, 1), optional mask
-    (Bm, Hm, Lp, Sp), with dropout the rows' keys (B, Hq, Lp, 1) int32;
-    outputs dk, dv like k, v; float32 accumulators."""
+    (Bm, Hm, Lp, Sp), with spans the rows' spans (Lp, 2) and each key
+    block's query blocks (2, Sp / bk) (copied to the SMEM scratch `table`),
+    with dropout the rows' keys (B, Hq, Lp, 1) int32; outputs dk, dv like
+    k, v; float32 accumulators."""
     *ins, dk_hbm, dv_hbm = refs
-    mask_hbm, keys_hbm = optional_operands(ins, dropout_p)
+    mask_hbm, spans_hbm, blocks_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, kv_heads, sp, e = k_hbm.shape
     lp, ev = q_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
     nq = lp // bq
     grid = (batch, kv_heads, sp // bk, group * nq)
+    if spans:
+        pltpu.sync_copy(blocks_hbm, table)
 
     def first_visible(j):  # the first query block with a row that sees key block j
         return jnp.minimum((j * bk) // bq, nq - 1)
 
     def q_block(j, t):
         i = t % nq
+        if spans:  # the i-th query block that reaches key block j
+            return blocks_.reached(table, j, i)
         return jnp.maximum(i, first_visible(j)) if causal else i
 
     def q_index(b, h, j, t):
         return (b, h * group + t // nq, q_block(j, t), 0)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        mask_ref, keys_ref = optional_operands(rest[:-2], dropout_p)
+        mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-2], spans, dropout_p)
         dk_ref, dv_ref = rest[-2:]
         # Global block indices (emit_pipeline adds the core's offset).
         j, t = pl.program_id(2), pl.program_id(3)
-        i = t % nq
+        i = q_block(j, t) if spans else t % nq
 
         @pl.when(t == 0)
         def _():
@@ -106,19 +124,22 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
 
         def update():
             q, do = q_ref[...], do_ref[...]
-            s = _masked_scores(q, k_ref[...], None if mask_ref is None else mask_ref[...],
-                               scale=scale, q_start=i * bq, k_start=j * bk, causal=causal,
-                               kv_len=kv_len, padded_kv_len=sp, contract=(1, 1))
+            s, cap = _masked_scores(q, k_ref[...], None if mask_ref is None else mask_ref[...],
+                                    scale=scale, q_start=i * bq, k_start=j * bk, causal=causal,
+                                    kv_len=kv_len, padded_kv_len=sp, contract=(1, 1),
+                                    softcap=softcap, spans=_row_spans(spans_ref))
             p = jnp.exp(s - lse_ref[...])  # (bq, bk); 0 where lse is +inf
             dp = dot(do, v_ref[...], (1, 1))
             z = attention_dropout.block_factors(None if keys_ref is None else keys_ref[...],
                                                 j * bk, p.shape, dropout_p)
             pz, dp = (p, dp) if z is None else (p * z, dp * z)
             dv_vmem[...] += dot(pz.astype(do.dtype), do, (0, 0))
-            ds = p * (dp - delta_ref[...])
+            ds = _uncapped(p * (dp - delta_ref[...]), cap)
             dk_vmem[...] += scale * dot(ds.astype(q.dtype), q, (0, 0))
 
-        if causal:
+        if spans:
+            pl.when(table[0, j] + t % nq < table[1, j])(update)
+        elif causal:
             pl.when(i * bq + bq - 1 >= j * bk)(update)
         else:
             update()
@@ -143,6 +164,9 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
+    if spans:
+        in_specs.append(pl.BlockSpec((bq, 2), lambda b, h, j, t: (q_block(j, t), 0)))
+        operands.append(spans_hbm)
     if keys_hbm is not None:
         in_specs.append(row_spec(1))
         operands.append(keys_hbm)
@@ -153,23 +177,31 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
 
 
 def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, scale, causal,
-              kv_len, group, block_q, block_k, num_cores, dropout_p=0.0):
-    """Inputs as dkdv_kernel's; output dq like q; a float32 accumulator."""
+              kv_len, group, block_q, block_k, num_cores, dropout_p=0.0, spans=False,
+              table=None, softcap=0.0):
+    """Inputs as dkdv_kernel's, the span table each query block's key
+    blocks (2, Lp / bq); output dq like q; a float32 accumulator."""
     *ins, dq_hbm = refs
-    mask_hbm, keys_hbm = optional_operands(ins, dropout_p)
+    mask_hbm, spans_hbm, blocks_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, q_heads, lp, e = q_hbm.shape
     sp, ev = k_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
     grid = (batch, q_heads, lp // bq, sp // bk)
+    if spans:
+        pltpu.sync_copy(blocks_hbm, table)
 
-    def kv_block(i, j):  # a skipped causal block repeats the last visible one
+    def kv_block(i, j):
+        if spans:  # the j-th key block the query block reaches
+            return blocks_.reached(table, i, j)
+        # a skipped causal block repeats the last visible one
         return jnp.minimum(j, jnp.minimum((i * bq + bq - 1) // bk, grid[3] - 1)) if causal else j
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        mask_ref, keys_ref = optional_operands(rest[:-1], dropout_p)
+        mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-1], spans, dropout_p)
         dq_ref = rest[-1]
         # Global block indices (emit_pipeline adds the core's offset).
         i, j = pl.program_id(2), pl.program_id(3)
+        kj = kv_block(i, j)
 
         @pl.when(j == 0)
         def _():
@@ -177,19 +209,22 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
 
         def update():
             k = k_ref[...]
-            s = _masked_scores(q_ref[...], k, None if mask_ref is None else mask_ref[...],
-                               scale=scale, q_start=i * bq, k_start=j * bk, causal=causal,
-                               kv_len=kv_len, padded_kv_len=sp, contract=(1, 1))
+            s, cap = _masked_scores(q_ref[...], k, None if mask_ref is None else mask_ref[...],
+                                    scale=scale, q_start=i * bq, k_start=kj * bk, causal=causal,
+                                    kv_len=kv_len, padded_kv_len=sp, contract=(1, 1),
+                                    softcap=softcap, spans=_row_spans(spans_ref))
             p = jnp.exp(s - lse_ref[...])
             dp = dot(do_ref[...], v_ref[...], (1, 1))
             z = attention_dropout.block_factors(None if keys_ref is None else keys_ref[...],
-                                                j * bk, p.shape, dropout_p)
+                                                kj * bk, p.shape, dropout_p)
             if z is not None:
                 dp = dp * z
-            ds = p * (dp - delta_ref[...])
+            ds = _uncapped(p * (dp - delta_ref[...]), cap)
             dq_vmem[...] += scale * dot(ds.astype(k.dtype), k, (1, 0))
 
-        if causal:
+        if spans:
+            pl.when(table[0, i] + j < table[1, i])(update)
+        elif causal:
             pl.when(j * bk <= i * bq + bq - 1)(update)
         else:
             update()
@@ -213,6 +248,9 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
+    if spans:
+        in_specs.append(pl.BlockSpec((bq, 2), lambda b, h, i, j: (i, 0)))
+        operands.append(spans_hbm)
     if keys_hbm is not None:
         in_specs.append(row_spec(1))
         operands.append(keys_hbm)
@@ -222,37 +260,50 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
     )(*operands, dq_hbm)
 
 
-def pipelined_backward(q, k, v, do, lse, delta, mask, keys, *, scale, causal, dropout_p, config,
-                       interpret, num_cores):
+def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *, scale, causal,
+                       dropout_p, softcap, config, interpret, num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     lay, bq, bk = blocks_.pipelined_layout(dims, config)
-    operands = _operands(lay, q, k, v, do, lse, delta, mask, keys)
     static = dict(scale=scale, causal=causal, kv_len=dims.kv_len, group=dims.group,
-                  block_q=bq, block_k=bk, num_cores=num_cores, **dropout_param(dropout_p))
+                  block_q=bq, block_k=bk, num_cores=num_cores, **dropout_param(dropout_p),
+                  **softcap_param(softcap))
+    dkdv_scratch = dict(dk_vmem=pltpu.VMEM((bk, lay.e), jnp.float32),
+                        dv_vmem=pltpu.VMEM((bk, lay.ev), jnp.float32))
+    dq_scratch = dict(dq_vmem=pltpu.VMEM((bq, lay.e), jnp.float32))
+    dkdv_tables = dq_tables = ()
+    if spans is not None:
+        static["spans"] = True
+        spans = blocks_.edge_padded(spans, lay.lp)
+        by_key = blocks_.span_blocks(blocks_.edge_padded(key_spans, lay.sp), bk, bq)
+        dkdv_tables = (spans, by_key)
+        dq_tables = (spans, blocks_.span_blocks(spans, bq, bk))
+        dkdv_scratch["table"] = pltpu.SMEM(by_key.shape, jnp.int32)
+        dq_scratch["table"] = pltpu.SMEM(dq_tables[1].shape, jnp.int32)
     mesh = tensorcore_mesh(num_cores)
     dk, dv = pl.kernel(
         functools.partial(dkdv_kernel, **static),
         out_type=(lay.kv_type(lay.e, q.dtype), lay.kv_type(lay.ev, q.dtype)),
         mesh=mesh,
-        scratch_types=dict(dk_vmem=pltpu.VMEM((bk, lay.e), jnp.float32),
-                           dv_vmem=pltpu.VMEM((bk, lay.ev), jnp.float32)),
+        scratch_types=dkdv_scratch,
         interpret=interpret,
-    )(*operands)
+    )(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dkdv_tables))
     dq = pl.kernel(
         functools.partial(dq_kernel, **static),
         out_type=lay.row_type(lay.e, q.dtype),
         mesh=mesh,
-        scratch_types=dict(dq_vmem=pltpu.VMEM((bq, lay.e), jnp.float32)),
+        scratch_types=dq_scratch,
         interpret=interpret,
-    )(*operands)
+    )(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dq_tables))
     return _results(lay, dq, dk, dv)
 
 
-def _operands(lay, q, k, v, do, lse, delta, mask, keys) -> list:
-    """Both bodies' operands, laid out by `lay`; padded rows get lse +inf,
-    so p = 0 there."""
+def _operands(lay, q, k, v, do, lse, delta, mask, keys, tables=()) -> list:
+    """Both bodies' operands, laid out by `lay`: q, k, v, do, lse, delta[,
+    mask][, span tables][, dropout keys]; padded rows get lse +inf, so p = 0
+    there."""
     return [lay.rows(q, lay.e), lay.kv(k, lay.e), lay.kv(v, lay.ev), lay.rows(do, lay.ev),
-            lay.rows(lse, fill=jnp.inf), lay.rows(delta), *lay.optional(mask, keys)]
+            lay.rows(lse, fill=jnp.inf), lay.rows(delta), *lay.optional(mask, None),
+            *tables, *lay.optional(None, keys)]
 
 
 def _results(lay, dq, dk, dv):
@@ -267,13 +318,14 @@ def _results(lay, dq, dk, dv):
 
 
 def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, blocks, scale,
-                   causal, kv_len, dropout_p=0.0):
+                   causal, kv_len, dropout_p=0.0, spans=False, softcap=0.0):
     """q and do (B, Hkv, G, Lp, E / Ev), k and v (B, Hkv, Sp, E / Ev), lse and
     delta (B, Hkv, G, Lp), an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp),
-    with dropout the rows' keys (B, Hkv, G, Lp) int32; outputs dq like q, dk
-    and dv like k and v."""
+    with spans the rows' spans (Lp, 2) and each query block's key chunks
+    (2, Lp / bq), with dropout the rows' keys (B, Hkv, G, Lp) int32; outputs
+    dq like q, dk and dv like k and v."""
     *ins, dq_hbm, dk_hbm, dv_hbm = refs
-    mask_hbm, keys_hbm = optional_operands(ins, dropout_p)
+    mask_hbm, spans_hbm, table_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, kv_heads, _, lp, _ = q_hbm.shape
     sp = k_hbm.shape[2]
     bb, bh, bq, ck = blocks
@@ -282,7 +334,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
     def one_block(bi, hi):
         heads = (pl.ds(bi * bb, bb), pl.ds(hi * bh, bh))
 
-        def grads(qi, c0, n, q, do, lse, delta, row_keys):
+        def grads(qi, c0, n, q, do, lse, delta, row_keys, row_spans):
             """(dq, dkᵀ, dvᵀ) of query block qi against keys c0 .. c0 + n."""
             kv = (*heads, pl.ds(c0, n))
             k, v = k_hbm[kv].astype(jnp.float32), v_hbm[kv].astype(jnp.float32)
@@ -291,9 +343,10 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
                 mb = heads[0] if mask_hbm.shape[0] > 1 else slice(None)
                 mh = heads[1] if mask_hbm.shape[1] > 1 else slice(None)
                 mask = mask_hbm[mb, mh, :, pl.ds(qi * bq, bq), pl.ds(c0, n)]
-            s = _masked_scores(q, k, mask, scale=scale, q_start=qi * bq, k_start=c0,
-                               causal=causal, kv_len=kv_len, padded_kv_len=sp,
-                               contract=(4, 3), batch_dims=2)  # (bb, bh, G, bq, n)
+            s, cap = _masked_scores(q, k, mask, scale=scale, q_start=qi * bq, k_start=c0,
+                                    causal=causal, kv_len=kv_len, padded_kv_len=sp,
+                                    contract=(4, 3), batch_dims=2, softcap=softcap,
+                                    spans=row_spans)  # (bb, bh, G, bq, n)
             p = jnp.exp(s - lse[..., None])
             dp = dot(do, v, (4, 3), batch_dims=2)
             z = attention_dropout.block_factors(row_keys, c0, p.shape, dropout_p)
@@ -302,7 +355,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
             # its rows as the right operand is XLA CPU's fast layout (about
             # 1.7x the backward's speed here); both summed over the group.
             dv_t = dot(do, pz, ((2, 3), (2, 3)), batch_dims=2)
-            ds = p * (dp - delta[..., None])
+            ds = _uncapped(p * (dp - delta[..., None]), cap)
             dq = scale * dot(ds, k, (4, 2), batch_dims=2)
             dk_t = scale * dot(q, ds, ((2, 3), (2, 3)), batch_dims=2)
             return dq, dk_t, dv_t
@@ -312,15 +365,19 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
             q, do = q_hbm[rows].astype(jnp.float32), do_hbm[rows].astype(jnp.float32)
             lse, delta = lse_hbm[rows], delta_hbm[rows]
             row_keys = None if keys_hbm is None else keys_hbm[rows][..., None]
+            row_spans = None
+            if spans_hbm is not None:
+                span = spans_hbm[pl.ds(qi * bq, bq), :]
+                row_spans = (span[:, 0:1], span[:, 1:2])
             if nk == 1:
-                dq, dk_t, dv_t = grads(qi, 0, sp, q, do, lse, delta, row_keys)
+                dq, dk_t, dv_t = grads(qi, 0, sp, q, do, lse, delta, row_keys, row_spans)
                 dq_hbm[rows] = dq.astype(dq_hbm.dtype)
                 return dk_dv[0] + dk_t, dk_dv[1] + dv_t
 
             def chunk(c, carry):
                 dq, dk_all, dv_all = carry
                 c0 = c * ck
-                dq_c, dk_c, dv_c = grads(qi, c0, ck, q, do, lse, delta, row_keys)
+                dq_c, dk_c, dv_c = grads(qi, c0, ck, q, do, lse, delta, row_keys, row_spans)
 
                 def add(total, part):
                     start = (0, 0, 0, c0)
@@ -329,10 +386,12 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
 
                 return dq + dq_c, add(dk_all, dk_c), add(dv_all, dv_c)
 
-            chunks = nk
+            first, chunks = 0, nk
             if causal:  # the chunks holding a key some row of the block sees
                 chunks = jnp.minimum(nk, (qi * bq + bq + ck - 1) // ck)
-            dq, dk_t, dv_t = jax.lax.fori_loop(0, chunks, chunk,
+            if table_hbm is not None:  # the chunks the block's spans reach
+                first, chunks = table_hbm[0, qi], table_hbm[1, qi]
+            dq, dk_t, dv_t = jax.lax.fori_loop(first, chunks, chunk,
                                                (jnp.zeros(q.shape, jnp.float32), *dk_dv))
             dq_hbm[rows] = dq.astype(dq_hbm.dtype)
             return dk_t, dv_t
@@ -356,18 +415,24 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
         one_block(t // (kv_heads // bh), t % (kv_heads // bh))
 
 
-def batched_backward(q, k, v, do, lse, delta, mask, keys, *, scale, causal, dropout_p, config,
-                     interpret, num_cores):
+def batched_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *, scale, causal,
+                     dropout_p, softcap, config, interpret, num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     lay, blocks = blocks_.batched_layout("attention_backward", dims, config, num_cores)
+    tables = ()
+    if spans is not None:  # query blocks in turn: key_spans are not needed here
+        spans = blocks_.edge_padded(spans, lay.lp)
+        tables = (spans, blocks_.span_blocks(spans, blocks[2], blocks[3]))
     dq, dk, dv = pl.kernel(
         functools.partial(batched_kernel, blocks=blocks, scale=scale, causal=causal,
-                          kv_len=dims.kv_len, **dropout_param(dropout_p)),
+                          kv_len=dims.kv_len, **dropout_param(dropout_p),
+                          **softcap_param(softcap),
+                          **({"spans": True} if spans is not None else {})),
         out_type=(lay.row_type(lay.e, q.dtype), lay.kv_type(lay.e, q.dtype),
                   lay.kv_type(lay.ev, q.dtype)),
         mesh=tensorcore_mesh(num_cores),
         interpret=interpret,
-    )(*_operands(lay, q, k, v, do, lse, delta, mask, keys))
+    )(*_operands(lay, q, k, v, do, lse, delta, mask, keys, tables))
     return _results(lay, dq, dk, dv)
 
 
@@ -377,15 +442,17 @@ def batched_backward(q, k, v, do, lse, delta, mask, keys, *, scale, causal, drop
 
 def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: bool,
                        config: AttentionConfig, interpret, num_cores: int,
-                       dropout_p: float = 0.0):
+                       dropout_p: float = 0.0, spans: bool = False, softcap: float = 0.0):
     """(dq, dk, dv) of the forward's o = attention(q, k, v, mask) given do,
     per kernels/attention_shapes.py; `o` and `lse` are what the forward
-    returned; `optional`: [mask][, dropout keys]."""
-    mask, keys = optional_operands(optional, dropout_p)
+    returned; `optional`: [mask][, spans, key_spans][, dropout keys]."""
+    extra = attention_operands(optional, {"spans": spans, "dropout_p": dropout_p},
+                               backward=True)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     run = batched_backward if config.body is Body.BATCHED else pipelined_backward
-    return run(q, k, v, do, lse.astype(jnp.float32), delta, mask, keys, scale=float(scale),
-               causal=bool(causal), dropout_p=float(dropout_p), config=config,
+    return run(q, k, v, do, lse.astype(jnp.float32), delta, extra.mask, extra.spans,
+               extra.key_spans, extra.keys, scale=float(scale), causal=bool(causal),
+               dropout_p=float(dropout_p), softcap=float(softcap), config=config,
                interpret=interpret, num_cores=num_cores)
 
 
@@ -395,8 +462,8 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
 
 def _dims(avals, params):
     shapes = [shape for shape, _ in avals]
-    mask, _ = optional_operands(shapes[6:], params.get("dropout_p", 0.0))
-    return attention_dims(*shapes[:3], mask)
+    return attention_dims(*shapes[:3],
+                          attention_operands(shapes[6:], params, backward=True).mask)
 
 
 def flops(avals, params) -> float:

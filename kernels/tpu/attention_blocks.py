@@ -191,23 +191,83 @@ def pipelined_block(n: int, block: int, multiple: int) -> int:
     return min(block, round_up(n, multiple))
 
 
-def visible(q_start, k_start, shape, *, causal: bool, kv_len: int, padded_kv_len: int):
+def visible(q_start, k_start, shape, *, causal: bool, kv_len: int, padded_kv_len: int,
+            spans=None):
     """Which scores of a block starting at query row `q_start` and key
     `k_start` may be nonzero: keys inside the true sequence (the padding is
-    masked out), and with `causal` only keys at or before the query. None
-    when every score is visible. `shape` ends with (rows, keys); the result
-    broadcasts against it."""
+    masked out), with `causal` only keys at or before the query, with
+    `spans` (the block's rows' (start, end) columns, each (rows, 1)) only
+    keys in start <= key < end. None when every score is visible. `shape`
+    ends with (rows, keys); the result broadcasts against it."""
     rows, keys = shape[-2:]
     lead = (1,) * (len(shape) - 2)
     cond = None
     key = k_start + jax.lax.broadcasted_iota(jnp.int32, (*lead, 1, keys), len(shape) - 1)
-    if padded_kv_len > kv_len:
+    if padded_kv_len > kv_len and spans is None:  # spans end at kv_len anyway
         cond = key < kv_len
     if causal:
         row = q_start + jax.lax.broadcasted_iota(jnp.int32, (*lead, rows, 1), len(shape) - 2)
         seen = key <= row
         cond = seen if cond is None else cond & seen
+    if spans is not None:
+        start, end = spans
+        seen = (key >= start) & (key < end)
+        cond = seen if cond is None else cond & seen
     return cond
+
+
+def capped(s, softcap: float):
+    """(scores, tanh of the uncapped ones / softcap) with a softcap, the
+    scores capped: softcap * tanh(s / softcap); (s, None) without."""
+    if not softcap:
+        return s, None
+    t = jnp.tanh(s * (1.0 / softcap))
+    return softcap * t, t
+
+
+def span_blocks(spans, block_rows: int, block_cols: int):
+    """(2, rows // block_rows) int32: for each block of `block_rows` rows of
+    `spans` (rows, 2) [start, end) columns (non-decreasing, padded with
+    their edge values), the first and one past the last block of
+    `block_cols` columns any of its rows reaches (first == past: none)."""
+    first = spans[0::block_rows, 0] // block_cols
+    past = -(-spans[block_rows - 1::block_rows, 1] // block_cols)
+    return jnp.stack([first, jnp.maximum(past, first)]).astype(jnp.int32)
+
+
+def reached(table, i, j):
+    """The j-th column block query block i reaches (table from span_blocks,
+    in SMEM); past the last, the last again (the pipeline fetches nothing
+    new), and block 0 .. for a block that reaches none, the nearest."""
+    first, past = table[0, i], table[1, i]
+    return jnp.maximum(jnp.minimum(first + j, past - 1), 0)
+
+
+def split_operands(operands, spans: bool, dropout_p: float):
+    """(mask, spans, span table, dropout keys) of a pipelined kernel's
+    optional operands `[mask][, spans, table][, keys]`, None where absent."""
+    rest = list(operands)
+    keys = rest.pop() if dropout_p > 0 else None
+    table = spans_ = None
+    if spans:
+        table = rest.pop()
+        spans_ = rest.pop()
+    return (rest[0] if rest else None), spans_, table, keys
+
+
+def split_blocks(blocks, spans: bool, dropout_p: float):
+    """(mask, spans, dropout keys) blocks of a pipeline body's optional
+    inputs `[mask][, spans][, keys]`."""
+    rest = list(blocks)
+    keys = rest.pop() if dropout_p > 0 else None
+    spans_ = rest.pop() if spans else None
+    return (rest[0] if rest else None), spans_, keys
+
+
+def edge_padded(spans, rows: int):
+    """spans (n, 2) padded to `rows` rows with its last row (so that the
+    columns stay non-decreasing and a block's last row bounds it)."""
+    return jnp.pad(spans.astype(jnp.int32), ((0, rows - spans.shape[0]), (0, 0)), mode="edge")
 
 
 def precision(dtype):
@@ -345,7 +405,10 @@ def select_config(backend: str, dims: AttentionDims, params, *, backward: bool =
     (batched_blocks); TPU blocks elsewhere."""
     if backend != "interpret":
         return AttentionConfig.default(backend)
-    return batched_config(dims, causal=bool(params.get("causal", False)), backward=backward)
+    # Spans (windows, packed sequences) reach a band of keys, as causal rows
+    # do: the causal blocks, whose chunks the kernels skip.
+    causal = bool(params.get("causal", False) or params.get("spans", False))
+    return batched_config(dims, causal=causal, backward=backward)
 
 
 def as_groups(x, kv_heads: int):

@@ -2,8 +2,9 @@
 attention_backward.py) against the float64 reference of
 tests/attention_reference.py, in Triton's CPU interpreter where there is no
 GPU (conftest.py): ragged lengths, decode, L > S causal, S = 1, GQA and
-MQA, every mask kind, odd head dimensions, every dtype, dropout; and their
-launches as torch.compile records them (torch.library.wrap_triton)."""
+MQA, every mask kind, odd head dimensions, every dtype, dropout, key spans
+(windows, packed sequences) and softcap; and their launches as
+torch.compile records them (torch.library.wrap_triton)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from attention_reference import Case, bound, make_case, reference, run_kernel, torch_error
 from helpers import assert_within, compile_for_sm90
+from torch_pallas.ops import attention_spans
 from torch_pallas.kernels.triton import attention as forward_kernel
 from torch_pallas.kernels.triton import attention_backward as backward_kernel
 from torch_pallas.kernels.triton import interpreting
@@ -154,7 +156,7 @@ def check_backward(case, do, grads):
 def run_backward(case, do, config=None, forward_config=None):
     """The forward's o and lse, then the backward kernel on them."""
     o, lse = launch(FORWARD, case.inputs, forward_config, **case.params)
-    inputs = (case.q, case.k, case.v, o, do, lse) + case.extra
+    inputs = (case.q, case.k, case.v, o, do, lse) + case.backward_extra
     return launch(BACKWARD, inputs, config, **case.params)
 
 
@@ -205,21 +207,144 @@ def test_backward_reads_any_layout_in_place():
     check_backward(case, do, grads)
 
 
-def test_wrap_triton_runs_the_same_kernels():
+# (id, make_case keywords): key spans (windows with causal folded in as the
+# op layer folds it, packed sequences aligned bottom-right) and softcap,
+# alone and with a mask, dropout and GQA.
+SPAN_CASES = [
+    # top-left window, causal folded, L > S: rows past S + 5 see nothing
+    ("window-5-0-causal-L>S", dict(l=50, s=40, e=32, window=(5, 0), causal=True, dtype=F16)),
+    ("window-3-2-L<S", dict(l=40, s=70, e=24, window=(3, 2), dtype=BF16)),
+    # an empty sequence, Lq > Lk (rows that see nothing, bottom-right
+    # causal), Lq < Lk, and rows and keys past the last sequence
+    ("packed-causal", dict(b=1, l=80, s=70, e=32, causal=True,
+                           sequences=[(12, 15), (0, 6), (20, 9), (7, 18)])),
+    ("packed-window-bf16", dict(b=1, hq=2, hkv=1, l=60, s=64, e=16, window=(6, 3),
+                                sequences=[(25, 30), (0, 0), (20, 20)], dtype=BF16)),
+    ("softcap", dict(l=37, s=45, e=32, scale=0.5, softcap=2.0, dtype=F16)),
+    # -inf scores of a mask and causal rows: 1 - t² is taken unmasked
+    ("softcap-causal-empty-rows", dict(l=30, s=40, e=32, mask="empty_rows", causal=True,
+                                       softcap=1.5)),
+    ("softcap-spans-gqa", dict(hq=4, hkv=2, l=45, s=40, e=64, window=(8, 8), softcap=3.0,
+                               dtype=BF16)),
+    ("spans-mask", dict(l=40, s=45, e=32, window=(6, 1), mask="heads", dtype=F16,
+                        mask_dtype=F32)),
+    ("spans-dropout", dict(l=40, s=50, e=32, window=(10, 0), causal=True, dropout_p=0.3)),
+]
+
+
+@pytest.mark.parametrize("kwargs", [c[1] for c in SPAN_CASES], ids=[c[0] for c in SPAN_CASES])
+def test_spans_and_softcap_forward_match_float64(kwargs):
+    case = make_case(**kwargs)
+    o, lse = launch(FORWARD, case.inputs, **case.params)
+    check_forward(case, o, lse)
+
+
+@pytest.mark.parametrize("kwargs", [c[1] for c in SPAN_CASES], ids=[c[0] for c in SPAN_CASES])
+def test_spans_and_softcap_backward_match_float64(kwargs):
+    case = make_case(**kwargs)
+    do = random_do(case)
+    check_backward(case, do, run_backward(case, do))
+
+
+SMALL_BACKWARD_BLOCKS = backward_kernel.AttentionBackwardConfig(autotune=False, block_m=16,
+                                                                block_n=16)
+
+
+def test_spans_walk_and_straddle_many_small_blocks():
+    """A (7, 3) window over 100 rows with 16 x 16 blocks: each block visits
+    two or three of the seven blocks across, most of them straddling a
+    row's span edge (forward, dq and dk/dv), softcapped and dropped, GQA."""
+    case = make_case(b=1, hq=2, hkv=1, l=100, s=96, e=32, window=(7, 3), softcap=4.0,
+                     dropout_p=0.3, dtype=F16)
+    o, lse = launch(FORWARD, case.inputs, SMALL_BLOCKS, **case.params)
+    check_forward(case, o, lse)
+    do = random_do(case)
+    check_backward(case, do, run_backward(case, do, SMALL_BACKWARD_BLOCKS, SMALL_BLOCKS))
+
+
+def test_spans_skip_the_blocks_they_never_reach():
+    """Packed sequences whose keys 0..25 and 70..109 no row sees (the first
+    sequence's window starts past its first keys, the last keys are
+    padding): k and v are NaN there, whole 16-key blocks of them, and the
+    kernels give the reference's results (dk, dv 0 there) all the same,
+    so they never read them: they skip the blocks and mask the loads of
+    those they straddle."""
+    case = make_case(b=1, hq=2, hkv=1, l=60, s=110, e=32, window=(4, 0), softcap=5.0,
+                     sequences=[(20, 50), (25, 20)], dtype=BF16)
+    seen = attention_spans.visible(case.spans, 110).any(0)
+    assert not seen[:26].any() and seen[26:70].all() and not seen[70:].any()
+    nan_k, nan_v = (t.clone().index_fill_(2, (~seen).nonzero()[:, 0], float("nan"))
+                    for t in (case.k, case.v))
+    inputs = (case.q, nan_k, nan_v, case.spans)
+    o, lse = launch(FORWARD, inputs, SMALL_BLOCKS, **case.params)
+    check_forward(case, o, lse)
+    do = random_do(case)
+    grads = launch(BACKWARD, (case.q, nan_k, nan_v, o, do, lse, case.spans, case.key_spans),
+                   SMALL_BACKWARD_BLOCKS, **case.params)
+    check_backward(case, do, grads)
+
+
+def blocks_visited(spans: torch.Tensor, rows: int, cols: int) -> int:
+    """The column blocks (of `cols`) each row block (of `rows`) visits under
+    `spans`, summed: from the one holding the first row's start to the one
+    holding the last row's end, none where that range is empty."""
+    total = 0
+    for first_row in range(0, spans.shape[0], rows):
+        start = int(spans[first_row, 0])
+        end = int(spans[min(first_row + rows, spans.shape[0]) - 1, 1])
+        total += -(-end // cols) - start // cols if end > start else 0
+    return total
+
+
+@pytest.mark.skipif(not interpreting(), reason="counts the interpreter's products")
+def test_spans_work_scales_with_the_keys_attended(monkeypatch):
+    """The products the kernels compute (counted in the interpreter) are
+    those of the blocks the spans reach, under half the dense count for a
+    (7, 3) window over 96 x 96: forward two per (query block, key block),
+    dq three, dk/dv four per (key block, query block, query head)."""
+    from triton.runtime import interpreter
+
+    dots = []
+    create_dot = interpreter.InterpreterBuilder.create_dot
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                        lambda self, *args: dots.append(1) or create_dot(self, *args))
+    case = make_case(b=1, hq=2, hkv=1, l=96, s=96, e=16, window=(7, 3))
+    query_blocks = blocks_visited(case.spans, 16, 16)
+    key_blocks = blocks_visited(case.key_spans, 16, 16)
+    assert query_blocks == key_blocks == 16 < 36 // 2  # 36 dense
+    o, lse = launch(FORWARD, case.inputs, SMALL_BLOCKS, **case.params)
+    assert len(dots) == 2 * 2 * query_blocks
+    dots.clear()
+    launch(BACKWARD, (case.q, case.k, case.v, o, random_do(case), lse) + case.backward_extra,
+           SMALL_BACKWARD_BLOCKS, **case.params)
+    assert len(dots) == 3 * 2 * query_blocks + 4 * 2 * key_blocks
+
+
+WRAP_CASES = {
+    "mask-causal": dict(l=20, s=27, e=40, ev=24, mask="heads", causal=True, dtype=F16),
+    "spans-softcap-mask": dict(l=20, s=27, e=40, ev=24, mask="heads", window=(4, 2),
+                               softcap=2.5, dtype=F16),
+}
+
+
+@pytest.mark.parametrize("kwargs", WRAP_CASES.values(), ids=WRAP_CASES.keys())
+def test_wrap_triton_runs_the_same_kernels(kwargs):
     """Each kernel object is one torch.library.wrap_triton accepts: launched
     through torch's wrapper (eagerly, as outside a trace) they give the
     launchers' results bit for bit."""
-    case = make_case(l=20, s=27, e=40, ev=24, mask="heads", causal=True, dtype=F16)
+    case = make_case(**kwargs)
     do = random_do(case)
     forward_config = forward_kernel.AttentionConfig.default("triton")
     backward_config = backward_kernel.AttentionBackwardConfig.default("triton")
-    q, k, v, mask, do = map(to_device, (case.q, case.k, case.v, case.mask, do))
+    q, k, v, do = map(to_device, (case.q, case.k, case.v, do))
+    extra = tuple(map(to_device, case.extra))
+    backward_extra = tuple(map(to_device, case.backward_extra))
     results = []
     for wrap in (backward_kernel.direct, torch.library.wrap_triton):
-        o, lse = forward_kernel.attention(q, k, v, mask, scale=case.scale, causal=True,
+        o, lse = forward_kernel.attention(q, k, v, *extra, **case.params,
                                           config=forward_config, wrap=wrap)
         grads = backward_kernel.attention_backward(
-            q, k, v, o, do, lse, mask, scale=case.scale, causal=True,
+            q, k, v, o, do, lse, *backward_extra, **case.params,
             config=backward_config, wrap=wrap)
         results.append(tuple(t.cpu() for t in (o, lse, *grads)))
     for direct, wrapped in zip(*results):
@@ -243,13 +368,17 @@ TRACE = textwrap.dedent(
             kernel = kernel.fn
         return kernel.__name__
 
-    for autotune in (False, True):
-        def f(q, k, v, mask, do):
+    # Without and with spans and softcap (the backward takes key_spans too).
+    for autotune, spans in ((False, False), (True, False), (False, True), (True, True)):
+        def f(q, k, v, mask, do, spans_t, key_spans_t):
             wrap = torch.library.wrap_triton
-            o, lse = fwd.attention(q, k, v, mask, scale=0.3, causal=True,
+            params = dict(spans=True, softcap=30.0) if spans else {}
+            fwd_extra = (mask, spans_t) if spans else (mask,)
+            bwd_extra = (mask, spans_t, key_spans_t) if spans else (mask,)
+            o, lse = fwd.attention(q, k, v, *fwd_extra, scale=0.3, causal=not spans, **params,
                                    config=fwd.AttentionConfig(autotune=autotune), wrap=wrap)
             return bwd.attention_backward(
-                q, k, v, o, do, lse, mask, scale=0.3, causal=True,
+                q, k, v, o, do, lse, *bwd_extra, scale=0.3, causal=not spans, **params,
                 config=bwd.AttentionBackwardConfig(autotune=autotune), wrap=wrap)
         with FakeTensorMode():
             q = torch.randn(2, 4, 37, 40, device="cuda", dtype=torch.bfloat16)
@@ -257,8 +386,10 @@ TRACE = textwrap.dedent(
             v = torch.randn(2, 2, 45, 24, device="cuda", dtype=torch.bfloat16)
             mask = torch.randn(1, 4, 37, 45, device="cuda")
             do = torch.randn(2, 4, 37, 24, device="cuda", dtype=torch.bfloat16)
-            gm = make_fx(torch.func.functionalize(f))(q, k, v, mask, do)
-        print("GRAPH", autotune, gm.code.count("triton_kernel_wrapper_functional("),
+            spans_t = torch.zeros(37, 2, device="cuda", dtype=torch.int32)
+            key_spans_t = torch.zeros(45, 2, device="cuda", dtype=torch.int32)
+            gm = make_fx(torch.func.functionalize(f))(q, k, v, mask, do, spans_t, key_spans_t)
+        print("GRAPH", autotune, spans, gm.code.count("triton_kernel_wrapper_functional("),
               "aten.empty" in gm.code,
               sum(n.op == "call_function" and "empty" not in str(n.target)
                   and "getitem" not in str(n.target) and "copy_" not in str(n.target)
@@ -278,7 +409,8 @@ def test_launches_trace_into_triton_kernels_on_cuda_tensors():
     graphs = [line.split()[1:] for line in out.splitlines() if line.startswith("GRAPH")]
     # One kernel per launch (forward; delta, dk/dv, dq), nothing but
     # allocations beside them.
-    assert graphs == [["False", "4", "True", "0"], ["True", "4", "True", "0"]], out
+    assert graphs == [[autotune, spans, "4", "True", "0"] for autotune, spans in (
+        ("False", "False"), ("True", "False"), ("False", "True"), ("True", "True"))], out
     kernels = next(line.split()[1:] for line in out.splitlines() if line.startswith("KERNELS"))
     assert kernels == [
         "attention_delta_kernel:JITFunction",
@@ -326,11 +458,16 @@ def test_autotuned_launches_share_one_autotuner_per_head_tile():
 COMPILE = """
 from torch_pallas.kernels.triton import attention as fwd, attention_backward as bwd
 
-POINTERS = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "keys_ptr": "*i32"}
-SCALARS = ("scale", "drop_scale")
-for dtype, on in (("*bf16", True), ("*fp32", False)):
-    meta = dict(HAS_MASK=on, CAUSAL=on, DROPOUT=on, BLOCK_E=64, BLOCK_EV=32, UPCAST=False,
-                INPUT_PRECISION="ieee", BLOCK_M=32, BLOCK_N=32)
+POINTERS = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "keys_ptr": "*i32", "spans_ptr": "*i32",
+            "key_spans_ptr": "*i32"}
+SCALARS = ("scale", "drop_scale", "softcap")
+# Every option on (spans and softcap with causal, as the kernels allow,
+# though the op layer folds causal into the spans), none, and spans and
+# softcap alone.
+for dtype, on, spans in (("*bf16", True, True), ("*fp32", False, False),
+                         ("*fp16", False, True)):
+    meta = dict(HAS_MASK=on, CAUSAL=on, DROPOUT=on, HAS_SPANS=spans, SOFTCAP=spans, BLOCK_E=64,
+                BLOCK_EV=32, UPCAST=False, INPUT_PRECISION="ieee", BLOCK_M=32, BLOCK_N=32)
     for fn in (fwd.attention_kernel, bwd.attention_dkdv_kernel, bwd.attention_dq_kernel):
         built = build(fn, meta, POINTERS, dtype, SCALARS, num_stages=2)
         print("BUILT", fn.__name__, dtype, built.metadata.shared)
@@ -344,7 +481,7 @@ print("BUILT attention_delta_kernel *bf16", built.metadata.shared)
 def test_kernels_compile_for_the_gpu():
     built = compile_for_sm90(COMPILE)
     assert [b[1:3] for b in built] == [
-        [name, dtype] for dtype in ("*bf16", "*fp32")
+        [name, dtype] for dtype in ("*bf16", "*fp32", "*fp16")
         for name in ("attention_kernel", "attention_dkdv_kernel", "attention_dq_kernel")
     ] + [["attention_delta_kernel", "*bf16"]], built
     assert all(int(b[3]) <= 99 * 1024 for b in built), built  # shared memory of any GPU

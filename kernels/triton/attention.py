@@ -31,6 +31,17 @@ uses 0 in place of an infinite maximum, so no NaN appears).
   are loaded with q, and each key block's p is multiplied by its mask Z
   (`dropout_factors`, the hash every family computes, in uint32) before
   the product with v; l sums p undropped.
+- Spans (HAS_SPANS: windows, packed sequences): row i sees keys
+  spans[i, 0] <= j < spans[i, 1], both columns non-decreasing, so the
+  block's rows see only keys in [spans[m0, 0], spans[last row, 1]): the walk
+  goes from the key block holding the first to the one holding the last,
+  none when that range is empty, so the work is the keys attended, not
+  L x S. k and v are loaded only inside that range (the block edges it
+  straddles read nothing past it), and each row's own span masks its
+  scores. (Keys inside the range that none of the block's rows sees, a
+  gap between packed sequences, are read and weighted by p = 0.)
+- Softcap (SOFTCAP): s = c tanh(scale q kᵀ / c) + mask, tanh from exp2
+  (`softcap_tanh`); in log2 units c log2 e times it.
 
 Triton's CPU interpreter computes bfloat16 `tl.dot` wrongly and rounds
 float32 -> bfloat16 toward zero (kernels/triton/__init__.py). Under it,
@@ -49,8 +60,9 @@ import torch
 import triton
 import triton.language as tl
 from torch_pallas.kernels.attention_shapes import (DROPOUT_BITS, DROPOUT_GOLDEN, DROPOUT_MIX,
-                                                   MAX_HEAD_DIM, attention_dims, dropout_scale,
-                                                   dropout_threshold, optional_operands)
+                                                   MAX_HEAD_DIM, attention_dims,
+                                                   attention_operands, dropout_scale,
+                                                   dropout_threshold)
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.triton import direct, interpreter_safe_dtype, interpreting
 
@@ -139,8 +151,10 @@ def forward_configs(block_e: int, block_ev: int, itemsize: int) -> list:
 
 
 # Tuned per head-dimension tile, sequence-length bucket (a power of two, so
-# that each new length does not retune), causal, masked and dropping.
-AUTOTUNE_KEY = ["BLOCK_E", "BLOCK_EV", "L_BUCKET", "S_BUCKET", "CAUSAL", "HAS_MASK", "DROPOUT"]
+# that each new length does not retune), causal, masked, dropping, spans
+# and softcap.
+AUTOTUNE_KEY = ["BLOCK_E", "BLOCK_EV", "L_BUCKET", "S_BUCKET", "CAUSAL", "HAS_MASK", "DROPOUT",
+                "HAS_SPANS", "SOFTCAP"]
 
 HASH_GOLDEN = tl.constexpr(DROPOUT_GOLDEN)
 HASH_MIX_1 = tl.constexpr(DROPOUT_MIX[0])
@@ -171,6 +185,23 @@ def dropout_arguments(keys, q, dropout_p: float) -> tuple:
             dropout_scale(dropout_p))
 
 
+def span_arguments(spans, q, softcap: float) -> tuple:
+    """The kernels' spans arguments: spans (rows, 2) int32 and its two
+    strides (q and zeros, never read, without), then the softcap (0.0 when
+    off). The backward's dk/dv kernel takes key_spans (S, 2) here."""
+    spans_arguments = (q, 0, 0) if spans is None else (spans, *spans.stride())
+    return (*spans_arguments, float(softcap))
+
+
+@triton.jit
+def softcap_tanh(x):
+    """tanh(x) in float32 from exp2: (1 - e) / (1 + e) with e = exp(-2|x|)
+    (never overflows; ±1 where e underflows), signed as x."""
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0.0, -t, t)
+
+
 @triton.jit
 def round_to_bfloat16(x):
     """float32 x rounded to the nearest bfloat16 (ties to even), kept in
@@ -190,8 +221,10 @@ def attention_kernel(
     stride_ob, stride_oh, stride_ol, stride_oe,
     stride_lb, stride_lh, stride_ll,
     keys_ptr, stride_yb, stride_yh, stride_yl, drop_threshold, drop_scale,
+    spans_ptr, stride_sl, stride_sc, softcap,
     Hq, L, S, E, Ev, GROUP, scale, L_BUCKET, S_BUCKET,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_SPANS: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -228,27 +261,55 @@ def attention_kernel(
         row_keys = tl.load(keys_ptr + b * stride_yb + h * stride_yh + offs_m * stride_yl,
                            mask=row_ok, other=0).to(tl.uint32, bitcast=True)
     qk_scale = scale * LOG2E
+    if SOFTCAP:  # s = c tanh(scale q k / c), in log2 units
+        cap_in = scale / softcap
+        cap_out = softcap * LOG2E
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_EV), dtype=tl.float32)
 
+    lo = 0
     hi = S
+    if HAS_SPANS:
+        # The block's rows see keys in [first, last) only (non-decreasing
+        # spans): walk the key blocks from the one holding `first`, none if
+        # the range is empty; each row's own span masks inside them.
+        row_lo = tl.load(spans_ptr + offs_m * stride_sl, mask=row_ok, other=0)
+        row_hi = tl.load(spans_ptr + offs_m * stride_sl + stride_sc, mask=row_ok, other=0)
+        first = tl.load(spans_ptr + m0 * stride_sl)
+        last = tl.load(spans_ptr + (tl.minimum(m0 + BLOCK_M, L) - 1) * stride_sl + stride_sc)
+        lo = (first // BLOCK_N) * BLOCK_N
+        hi = tl.where(last > first, last, lo)
+        kt_ptrs += lo.to(tl.int64) * stride_ks
+        v_ptrs += lo.to(tl.int64) * stride_vs
+        if HAS_MASK:
+            mask_ptrs += lo.to(tl.int64) * stride_ms
     if CAUSAL:  # keys past the block's last row are hidden from all its rows
-        hi = tl.minimum(S, m0 + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        key_ok = (start_n + offs_n) < S
+        hi = tl.minimum(hi, m0 + BLOCK_M)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        if HAS_SPANS:  # nothing outside [first, last) is read
+            key_ok = (cols >= first) & (cols < last)
+        else:
+            key_ok = cols < S
         kt = tl.load(kt_ptrs, mask=(offs_e[:, None] < E) & key_ok[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_ev[None, :] < Ev), other=0.0)
         if UPCAST:
             kt, v = kt.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
+        if SOFTCAP:
+            s = softcap_tanh(tl.dot(q, kt, input_precision=INPUT_PRECISION) * cap_in) * cap_out
+        else:
+            s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
         if HAS_MASK:
             add = tl.load(mask_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0.0)
             s += add.to(tl.float32) * LOG2E
         visible = key_ok[None, :]
         if CAUSAL:
-            visible = visible & ((start_n + offs_n)[None, :] <= offs_m[:, None])
+            visible = visible & (cols[None, :] <= offs_m[:, None])
+        if HAS_SPANS:
+            visible = visible & ((row_lo[:, None] <= cols[None, :])
+                                 & (cols[None, :] < row_hi[:, None]))
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -260,8 +321,8 @@ def attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:  # l sums p as it is; v is weighted by the dropped p
-            p = p * dropout_factors(row_keys[:, None], (start_n + offs_n)[None, :],
-                                    drop_threshold, drop_scale)
+            p = p * dropout_factors(row_keys[:, None], cols[None, :], drop_threshold,
+                                    drop_scale)
         if UPCAST:
             acc = tl.dot(round_to_bfloat16(p), v, acc, input_precision=INPUT_PRECISION)
         else:
@@ -348,10 +409,12 @@ def size_arguments(dims, scale: float) -> tuple:
             length_bucket(s))
 
 
-def kernel_constexprs(dims, q, mask, keys, *, causal: bool, precision: str) -> dict:
+def kernel_constexprs(dims, q, mask, keys, *, causal: bool, precision: str, spans=None,
+                      softcap: float = 0.0) -> dict:
     """The constexprs every attention kernel takes."""
     return dict(
         HAS_MASK=mask is not None, CAUSAL=bool(causal), DROPOUT=keys is not None,
+        HAS_SPANS=spans is not None, SOFTCAP=softcap > 0,
         BLOCK_E=head_block(dims.head_dim), BLOCK_EV=head_block(dims.value_dim),
         # Upcasting bfloat16 operands to float32 is exact (interpreter_safe_dtype).
         UPCAST=interpreter_safe_dtype(q.dtype) != q.dtype,
@@ -370,16 +433,25 @@ def launch(kernel, autotuned, grid, args, meta: dict, *, config, itemsize: int, 
                            num_warps=config.num_warps, num_stages=config.num_stages)
 
 
+def check_spans(name: str, spans, rows: int, what: str = "spans") -> None:
+    """Refuse spans that are not (rows, 2) int32."""
+    if spans is not None and (tuple(spans.shape) != (rows, 2) or spans.dtype != torch.int32):
+        raise ValueError(f"{name}: {what} {tuple(spans.shape)} {spans.dtype} must be "
+                         f"{(rows, 2)} int32")
+
+
 def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionConfig,
-              wrap=direct, dropout_p: float = 0.0):
+              wrap=direct, dropout_p: float = 0.0, spans: bool = False, softcap: float = 0.0):
     """(o, lse) of the canonical attention call (kernels/attention_shapes.py)
     for torch tensors in any layout: o (B, Hq, L, Ev) in q's dtype, lse
-    (B, Hq, L) float32; `optional`: [mask][, dropout keys]."""
-    mask, keys = optional_operands(optional, dropout_p)
+    (B, Hq, L) float32; `optional`: [mask][, spans][, dropout keys]."""
+    operands = attention_operands(optional, dict(dropout_p=dropout_p, spans=spans))
+    mask, keys = operands.mask, operands.keys
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     name = "attention (triton)"
     check_dtypes(name, q=q, k=k, v=v)
     check_head_dims_and_mask(name, dims, q, mask)
+    check_spans(name, operands.spans, dims.q_len)
     b, hq, l = dims.batch, dims.q_heads, dims.q_len
     o = torch.empty((b, hq, l, dims.value_dim), dtype=interpreter_safe_dtype(q.dtype),
                     device=q.device)
@@ -388,10 +460,11 @@ def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionC
     args = (
         q, k, v, mask_arg, o, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *o.stride(), *lse.stride(),
-        *dropout_arguments(keys, q, dropout_p),
+        *dropout_arguments(keys, q, dropout_p), *span_arguments(operands.spans, q, softcap),
         hq, *size_arguments(dims, scale),
     )
-    meta = kernel_constexprs(dims, q, mask, keys, causal=causal, precision=config.precision)
+    meta = kernel_constexprs(dims, q, mask, keys, causal=causal, precision=config.precision,
+                             spans=operands.spans, softcap=softcap)
 
     def grid(meta):
         return (triton.cdiv(l, meta["BLOCK_M"]), b * hq)

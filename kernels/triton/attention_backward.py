@@ -25,6 +25,19 @@ Dropout (DROPOUT): each block's mask Z is recomputed from the rows' keys
 as the forward computed it (`dropout_factors`): dv += (pZ)ᵀ do and
 ds = p (dp Z - delta), delta from the dropped o.
 
+Spans (HAS_SPANS): the dq kernel walks the key blocks of
+[spans[first row, 0], spans[last row, 1]) as the forward does; the dk/dv
+kernel takes key_spans (S, 2) instead (key j is seen by rows key_spans[j, 0]
+<= i < key_spans[j, 1], non-decreasing) and walks, for each query head of
+its group, the query blocks of [key_spans[first key, 0], key_spans[last key,
+1]), none when that is empty, masking each key's own row range inside them.
+Operands outside those ranges are never read (and keys no row sees are not
+loaded, so their dk and dv are 0).
+
+Softcap (SOFTCAP): the scores are recomputed capped, s = c t + mask with
+t = tanh(scale q kᵀ / c) of the unmasked product, and ds is multiplied by
+1 - t² (finite wherever the mask hides a score: t never sees the mask).
+
 Scores are kept in log2 units (times log2 e) for exp2, as in the forward.
 A row the forward found empty has lse = +inf, so its p is 0 everywhere.
 The probabilities and ds are rounded to the operands' dtype before their
@@ -42,7 +55,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from torch_pallas.kernels.attention_shapes import attention_dims, optional_operands
+from torch_pallas.kernels.attention_shapes import attention_dims, attention_operands
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.triton import direct, interpreter_safe_dtype, interpreting
 from torch_pallas.kernels.triton.attention import (
@@ -50,6 +63,7 @@ from torch_pallas.kernels.triton.attention import (
     LOG2E,
     check_dtypes,
     check_head_dims_and_mask,
+    check_spans,
     dropout_arguments,
     dropout_factors,
     fitting_configs,
@@ -58,6 +72,8 @@ from torch_pallas.kernels.triton.attention import (
     mask_arguments,
     round_to_bfloat16,
     size_arguments,
+    softcap_tanh,
+    span_arguments,
     unsupported,
 )
 
@@ -155,10 +171,12 @@ def attention_dkdv_kernel(
     stride_db, stride_dh, stride_dl, stride_de,
     stride_lb, stride_lh, stride_ll,
     keys_ptr, stride_yb, stride_yh, stride_yl, drop_threshold, drop_scale,
+    key_spans_ptr, stride_tl, stride_tc, softcap,
     stride_dkb, stride_dkh, stride_dks, stride_dke,
     stride_dvb, stride_dvh, stride_dvs, stride_dve,
     Hkv, L, S, E, Ev, GROUP, scale, L_BUCKET, S_BUCKET,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_SPANS: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -175,21 +193,40 @@ def attention_dkdv_kernel(
     offs_ev = tl.arange(0, BLOCK_EV)
     key_ok = offs_n < S
 
+    load_ok = key_ok
+    if HAS_SPANS:
+        # Each key's rows [col_lo, col_hi); the block's keys are seen by rows
+        # in [first, last) only (non-decreasing key spans).
+        col_lo = tl.load(key_spans_ptr + offs_n * stride_tl, mask=key_ok, other=0)
+        col_hi = tl.load(key_spans_ptr + offs_n * stride_tl + stride_tc, mask=key_ok, other=0)
+        first = tl.load(key_spans_ptr + n0 * stride_tl)
+        last = tl.load(key_spans_ptr + (tl.minimum(n0 + BLOCK_N, S) - 1) * stride_tl + stride_tc)
+        load_ok = col_lo < col_hi  # a key no row sees is not read: its dk, dv are 0
     k = tl.load(k_ptr + b * stride_kb + hkv * stride_kh
                 + offs_n[:, None] * stride_ks + offs_e[None, :] * stride_ke,
-                mask=key_ok[:, None] & (offs_e[None, :] < E), other=0.0)
+                mask=load_ok[:, None] & (offs_e[None, :] < E), other=0.0)
     v = tl.load(v_ptr + b * stride_vb + hkv * stride_vh
                 + offs_n[:, None] * stride_vs + offs_ev[None, :] * stride_ve,
-                mask=key_ok[:, None] & (offs_ev[None, :] < Ev), other=0.0)
+                mask=load_ok[:, None] & (offs_ev[None, :] < Ev), other=0.0)
     if UPCAST:
         k, v = k.to(tl.float32), v.to(tl.float32)
     qk_scale = scale * LOG2E
+    if SOFTCAP:  # s = c tanh(scale q k / c), in log2 units
+        cap_in = scale / softcap
+        cap_out = softcap * LOG2E
     dk = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_EV), dtype=tl.float32)
 
     lo = 0
+    hi = L
+    if HAS_SPANS:  # the query blocks from the one holding `first`, none if empty
+        lo = (first // BLOCK_M) * BLOCK_M
+        hi = tl.where(last > first, last, lo)
     if CAUSAL:  # queries before the block's first key see none of its keys
-        lo = n0
+        if HAS_SPANS:
+            lo = tl.maximum(lo, n0)
+        else:
+            lo = n0
     for g in range(0, GROUP):
         h = hkv * GROUP + g  # the query heads that read this kv head
         # qᵀ (BLOCK_E, BLOCK_M), do (BLOCK_M, BLOCK_EV), maskᵀ (BLOCK_N, BLOCK_M).
@@ -204,22 +241,32 @@ def attention_dkdv_kernel(
         delta_ptrs = delta_ptr + (b * Hkv * GROUP + h) * L + lo + offs_m
         if DROPOUT:
             keys_ptrs = keys_ptr + b * stride_yb + h * stride_yh + (lo + offs_m) * stride_yl
-        for start_m in range(lo, L, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m
-            row_ok = rows < L
+            if HAS_SPANS:  # nothing outside [first, last) is read
+                row_ok = (rows >= first) & (rows < last)
+            else:
+                row_ok = rows < L
             qt = tl.load(qt_ptrs, mask=(offs_e[:, None] < E) & row_ok[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=row_ok[:, None] & (offs_ev[None, :] < Ev), other=0.0)
             lse = tl.load(lse_ptrs, mask=row_ok, other=float("inf"))
             delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
             if UPCAST:
                 qt, do = qt.to(tl.float32), do.to(tl.float32)
-            st = tl.dot(k, qt, input_precision=INPUT_PRECISION) * qk_scale
+            if SOFTCAP:
+                tt = softcap_tanh(tl.dot(k, qt, input_precision=INPUT_PRECISION) * cap_in)
+                st = tt * cap_out
+            else:
+                st = tl.dot(k, qt, input_precision=INPUT_PRECISION) * qk_scale
             if HAS_MASK:
                 add = tl.load(mask_ptrs, mask=key_ok[:, None] & row_ok[None, :], other=0.0)
                 st += add.to(tl.float32) * LOG2E
             visible = key_ok[:, None] & row_ok[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= rows[None, :])
+            if HAS_SPANS:
+                visible = visible & ((col_lo[:, None] <= rows[None, :])
+                                     & (rows[None, :] < col_hi[:, None]))
             # lse = +inf on empty and padding rows: p = exp2(-inf) = 0 there.
             pt = tl.where(visible, tl.exp2(st - lse[None, :] * LOG2E), 0.0)
             dpt = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
@@ -233,6 +280,8 @@ def attention_dkdv_kernel(
             else:
                 ptz = pt
             dst = pt * (dpt - delta[None, :])
+            if SOFTCAP:  # through the cap: d(c tanh(x / c)) = (1 - t²) dx
+                dst = dst * (1.0 - tt * tt)
             if UPCAST:
                 dv = tl.dot(round_to_bfloat16(ptz), do, dv, input_precision=INPUT_PRECISION)
                 dk = tl.dot(round_to_bfloat16(dst), tl.trans(qt), dk,
@@ -268,9 +317,11 @@ def attention_dq_kernel(
     stride_db, stride_dh, stride_dl, stride_de,
     stride_lb, stride_lh, stride_ll,
     keys_ptr, stride_yb, stride_yh, stride_yl, drop_threshold, drop_scale,
+    spans_ptr, stride_sl, stride_sc, softcap,
     stride_dqb, stride_dqh, stride_dql, stride_dqe,
     Hq, L, S, E, Ev, GROUP, scale, L_BUCKET, S_BUCKET,
     HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_SPANS: tl.constexpr, SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_EV: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
@@ -303,6 +354,9 @@ def attention_dq_kernel(
     if UPCAST:
         q, do = q.to(tl.float32), do.to(tl.float32)
     qk_scale = scale * LOG2E
+    if SOFTCAP:  # s = c tanh(scale q k / c), in log2 units
+        cap_in = scale / softcap
+        cap_out = softcap * LOG2E
     lse2 = lse * LOG2E
     dq = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
 
@@ -314,29 +368,53 @@ def attention_dq_kernel(
     if HAS_MASK:
         mask_ptrs = (mask_ptr + b * stride_mb + h * stride_mh
                      + offs_m[:, None] * stride_ml + offs_n[None, :] * stride_ms)
+    lo = 0
     hi = S
+    if HAS_SPANS:  # the forward's walk: the key blocks of [first, last)
+        row_lo = tl.load(spans_ptr + offs_m * stride_sl, mask=row_ok, other=0)
+        row_hi = tl.load(spans_ptr + offs_m * stride_sl + stride_sc, mask=row_ok, other=0)
+        first = tl.load(spans_ptr + m0 * stride_sl)
+        last = tl.load(spans_ptr + (tl.minimum(m0 + BLOCK_M, L) - 1) * stride_sl + stride_sc)
+        lo = (first // BLOCK_N) * BLOCK_N
+        hi = tl.where(last > first, last, lo)
+        kt_ptrs += lo.to(tl.int64) * stride_ks
+        vt_ptrs += lo.to(tl.int64) * stride_vs
+        if HAS_MASK:
+            mask_ptrs += lo.to(tl.int64) * stride_ms
     if CAUSAL:
-        hi = tl.minimum(S, m0 + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+        hi = tl.minimum(hi, m0 + BLOCK_M)
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        key_ok = cols < S
+        if HAS_SPANS:  # nothing outside [first, last) is read
+            key_ok = (cols >= first) & (cols < last)
+        else:
+            key_ok = cols < S
         kt = tl.load(kt_ptrs, mask=(offs_e[:, None] < E) & key_ok[None, :], other=0.0)
         vt = tl.load(vt_ptrs, mask=(offs_ev[:, None] < Ev) & key_ok[None, :], other=0.0)
         if UPCAST:
             kt, vt = kt.to(tl.float32), vt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
+        if SOFTCAP:
+            t = softcap_tanh(tl.dot(q, kt, input_precision=INPUT_PRECISION) * cap_in)
+            s = t * cap_out
+        else:
+            s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
         if HAS_MASK:
             add = tl.load(mask_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0.0)
             s += add.to(tl.float32) * LOG2E
         visible = row_ok[:, None] & key_ok[None, :]
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None])
+        if HAS_SPANS:
+            visible = visible & ((row_lo[:, None] <= cols[None, :])
+                                 & (cols[None, :] < row_hi[:, None]))
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, vt, input_precision=INPUT_PRECISION)
         if DROPOUT:
             dp = dp * dropout_factors(row_keys[:, None], cols[None, :], drop_threshold,
                                       drop_scale)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:  # through the cap: d(c tanh(x / c)) = (1 - t²) dx
+            ds = ds * (1.0 - t * t)
         if UPCAST:
             dq = tl.dot(round_to_bfloat16(ds), tl.trans(kt), dq, input_precision=INPUT_PRECISION)
         else:
@@ -368,11 +446,15 @@ def attention_dq_kernel_autotuned(block_e: int, block_ev: int, itemsize: int):
 
 
 def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: bool,
-                       config: AttentionBackwardConfig, wrap=direct, dropout_p: float = 0.0):
+                       config: AttentionBackwardConfig, wrap=direct, dropout_p: float = 0.0,
+                       spans: bool = False, softcap: float = 0.0):
     """(dq, dk, dv) of the canonical attention call (kernels/attention_shapes.py)
     for torch tensors in any layout, in q's dtype; dk and dv summed over the
-    query heads of each kv head; `optional`: [mask][, dropout keys]."""
-    mask, keys = optional_operands(optional, dropout_p)
+    query heads of each kv head; `optional`: [mask][, spans, key_spans][,
+    dropout keys]."""
+    operands = attention_operands(optional, dict(dropout_p=dropout_p, spans=spans),
+                                  backward=True)
+    mask, keys = operands.mask, operands.keys
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     name = "attention backward (triton)"
     check_dtypes(name, q=q, k=k, v=v, o=o, do=do)
@@ -384,6 +466,8 @@ def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: boo
     if tuple(lse.shape) != (b, hq, l) or lse.dtype != torch.float32:
         raise ValueError(f"{name}: lse {tuple(lse.shape)} {lse.dtype} must be {(b, hq, l)} float32")
     check_head_dims_and_mask(name, dims, q, mask)
+    check_spans(name, operands.spans, l)
+    check_spans(name, operands.key_spans, s, "key_spans")
 
     out_dtype = interpreter_safe_dtype(q.dtype)
     delta = torch.empty((b, hq, l), dtype=torch.float32, device=q.device)
@@ -391,7 +475,8 @@ def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: boo
     dk = torch.empty((b, hkv, s, e), dtype=out_dtype, device=q.device)
     dv = torch.empty((b, hkv, s, ev), dtype=out_dtype, device=q.device)
 
-    meta = kernel_constexprs(dims, q, mask, keys, causal=causal, precision=config.precision)
+    meta = kernel_constexprs(dims, q, mask, keys, causal=causal, precision=config.precision,
+                             spans=operands.spans, softcap=softcap)
     block_ev = meta["BLOCK_EV"]
     delta_rows = min(128, max(16, config.delta_block // block_ev))
     wrap(attention_delta_kernel)[(triton.cdiv(l, delta_rows), b * hq)](
@@ -409,6 +494,7 @@ def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: boo
         return (triton.cdiv(s, meta["BLOCK_N"]), b * hkv)
 
     dkdv_args = (q, k, v, mask_arg, do, lse, delta, dk, dv, *operand_strides,
+                 *span_arguments(operands.key_spans, q, softcap),
                  *dk.stride(), *dv.stride(), hkv, *sizes)
     launch(attention_dkdv_kernel, attention_dkdv_kernel_autotuned, dkdv_grid, dkdv_args, meta,
            **launch_options)
@@ -416,7 +502,8 @@ def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: boo
     def dq_grid(meta):
         return (triton.cdiv(l, meta["BLOCK_M"]), b * hq)
 
-    dq_args = (q, k, v, mask_arg, do, lse, delta, dq, *operand_strides, *dq.stride(), hq, *sizes)
+    dq_args = (q, k, v, mask_arg, do, lse, delta, dq, *operand_strides,
+               *span_arguments(operands.spans, q, softcap), *dq.stride(), hq, *sizes)
     launch(attention_dq_kernel, attention_dq_kernel_autotuned, dq_grid, dq_args, meta,
            **launch_options)
 

@@ -57,7 +57,7 @@ from torch_pallas.kernels.attention_shapes import (DROPOUT_BITS, DROPOUT_GOLDEN,
 from torch_pallas.base import dtypes
 from torch_pallas.runtime import launch, registry
 from torch_pallas.library import registration
-from torch_pallas.ops import checks
+from torch_pallas.ops import attention_spans, checks
 
 OP = "pallas::attention"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -167,10 +167,37 @@ def _canonical_mask(mask: torch.Tensor, dtype, outer, heads: int, length: int,
     return mask.reshape(math.prod(mask_outer), mask_heads, length, kv_length)
 
 
+def check_extras(op: str, window_size, softcap, sinks, query, heads: int) -> tuple[int, int]:
+    """window_size (left, right), softcap and sinks, as the ops take them;
+    returns the window."""
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"{op}: window_size must be two ints (left, right), got "
+                        f"{window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"{op}: window_size entries must be -1 (unbounded) or >= 0, got "
+                         f"window_size={tuple(window_size)}")
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not softcap >= 0:
+        raise ValueError(f"{op}: softcap must be a float >= 0 (0: off), got {softcap!r}")
+    if sinks is not None:
+        checks.tensor(op, "sinks", sinks)
+        if sinks.shape != (heads,):
+            raise ValueError(f"{op}: sinks must hold one logit per query head, shape "
+                             f"({heads},), got sinks.shape={tuple(sinks.shape)}")
+        if sinks.dtype != query.dtype:
+            raise TypeError(f"{op}: sinks.dtype={sinks.dtype} must be the query's dtype "
+                            f"({query.dtype})")
+        checks.same_device(op, query, sinks, names=("query", "sinks"))
+    return left, right
+
+
 def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
-                             is_causal=False, scale=None, enable_gqa=False):
+                             is_causal=False, scale=None, enable_gqa=False,
+                             window_size=(-1, -1), softcap=0.0, sinks=None):
     _check(query, key, value, attn_mask, dropout_p, enable_gqa)
     outer, heads, kv_heads = _batch(query, key, value, enable_gqa)
+    left, right = check_extras(OP, window_size, softcap, sinks, query, heads)
     length, kv_length, value_dim = query.shape[-2], key.shape[-2], value.shape[-1]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     q = _canonical(query, outer, heads)
@@ -179,7 +206,12 @@ def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
     mask = None
     if attn_mask is not None:
         mask = _canonical_mask(attn_mask, query.dtype, outer, heads, length, kv_length)
-    if dropout_p > 0:
+    if left >= 0 or right >= 0 or softcap > 0 or sinks is not None:
+        seed = dropout_seed(query.device) if dropout_p > 0 else None
+        out, _ = torch.ops.pallas.attention_forward(q, k, v, mask, scale, bool(is_causal),
+                                                    float(dropout_p), seed, left, right,
+                                                    float(softcap), sinks)
+    elif dropout_p > 0:
         out, _ = _forward(q, k, v, mask, scale, bool(is_causal), float(dropout_p),
                           dropout_seed(query.device))
     else:
@@ -191,13 +223,86 @@ def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
 
 # --- the forward op --------------------------------------------------------
 
-def _params(scale: float, is_causal: bool, dropout_p: float = 0.0) -> dict:
-    """The kernels' static parameters; `dropout_p` only when dropping, so
-    that a call without dropout is the same kernel as ever."""
+def _params(scale: float, is_causal: bool, dropout_p: float = 0.0, spans: bool = False,
+            softcap: float = 0.0) -> dict:
+    """The kernels' static parameters; `dropout_p`, `spans` and `softcap`
+    only when used, so that a call without them is the same kernel as
+    ever."""
     params = {"scale": float(scale), "causal": bool(is_causal)}
     if dropout_p > 0:
         params["dropout_p"] = float(dropout_p)
+    if spans:
+        params["spans"] = True
+    if softcap > 0:
+        params["softcap"] = float(softcap)
     return params
+
+
+# --- windows, packed sequences, softcap and sinks ---------------------------
+
+def _windowed(window_left: int, window_right: int, cu_seq_q) -> bool:
+    return cu_seq_q is not None or window_left >= 0 or window_right >= 0
+
+
+def _spans(q, k, is_causal, window_left, window_right, cu_seq_q, cu_seq_k):
+    """(spans (L, 2) or None, causal): a window or packed sequences as the
+    kernels' key spans, a causal rule folded into them (SDPA's top-left
+    alignment); without either, no spans and the causal rule as it is."""
+    if not _windowed(window_left, window_right, cu_seq_q):
+        return None, is_causal
+    if is_causal:
+        window_right = 0 if window_right < 0 else min(window_right, 0)
+    if cu_seq_q is None:
+        if window_left < 0 and window_right == 0:  # plain causal: no spans needed
+            return None, True
+        return attention_spans.window_spans(q.shape[2], k.shape[2], window_left, window_right,
+                                            q.device), False
+    return attention_spans.sequence_spans(cu_seq_q, cu_seq_k, q.shape[2], window_left,
+                                          window_right), False
+
+
+def check_sequences(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, rows: int, keys: int,
+                    max_q: int, max_k: int, op: str) -> None:
+    """cu_seq_q's and cu_seq_k's values: starting at 0, non-decreasing,
+    within the rows and keys, no sequence longer than max_q / max_k (0:
+    unchecked). One read of each."""
+    for name, cu, total, most, limit in (("cu_seq_q", cu_seq_q, rows, max_q, "max_q"),
+                                         ("cu_seq_k", cu_seq_k, keys, max_k, "max_k")):
+        values = cu.tolist()
+        if values[0] != 0:
+            raise ValueError(f"{op}: {name} must start at 0, got {name}[0]={values[0]}")
+        for i in range(1, len(values)):
+            length = values[i] - values[i - 1]
+            if length < 0:
+                raise ValueError(f"{op}: {name} must be non-decreasing (cumulative sequence "
+                                 f"ends), got {name}[{i - 1}]={values[i - 1]} > "
+                                 f"{name}[{i}]={values[i]}")
+            if most and length > most:
+                raise ValueError(f"{op}: sequence {i - 1} has {length} "
+                                 f"{'queries' if name == 'cu_seq_q' else 'keys'}, more than "
+                                 f"{limit}={most}")
+        if values[-1] > total:
+            raise ValueError(f"{op}: {name}[-1]={values[-1]} is past the {total} "
+                             f"{'query' if name == 'cu_seq_q' else 'key'} tokens")
+
+
+def _with_sinks(out, lse, sinks):
+    """o and lse with each query head's sink logit in every row's softmax
+    denominator: lse' = logaddexp(lse, sink), o' = o * exp(lse - lse') (a
+    row that saw nothing keeps o = 0, and gets lse' = sink)."""
+    sink = sinks.float().reshape(1, -1, 1)
+    seen = torch.where(torch.isinf(lse), float("-inf"), lse)
+    total = torch.logaddexp(seen, sink)
+    out = (out.float() * torch.exp(seen - total).unsqueeze(-1)).to(out.dtype)
+    return out, total
+
+
+def sinks_gradient(sinks, out, grad_out, lse):
+    """d loss / d sink_h = -sum over batch and rows of exp(sink_h - lse) *
+    rowsum(grad_out * out) (lse including the sink), in the sinks' dtype."""
+    delta = (grad_out.float() * out.float()).sum(-1)
+    weight = torch.exp(sinks.float().reshape(1, -1, 1) - lse)
+    return -(weight * delta).sum((0, 2)).to(sinks.dtype)
 
 
 def _dropout_operands(q: torch.Tensor, dropout_p: float, seed, where: str) -> tuple:
@@ -220,56 +325,99 @@ def _dims(q, k, v) -> AttentionDims:
                          q.shape[3], v.shape[3])
 
 
-def _forward_fake(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=None):
+def _forward_fake(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=None, window_left=-1,
+                  window_right=-1, softcap=0.0, sinks=None, cu_seq_q=None, cu_seq_k=None,
+                  max_q=0, max_k=0):
     b, hq, l, _ = q.shape
     return q.new_empty((b, hq, l, v.shape[-1])), q.new_empty((b, hq, l), dtype=torch.float32)
 
 
 def forward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            mask: torch.Tensor | None, scale: float, is_causal: bool,
-                           dropout_p: float = 0.0, seed: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           dropout_p: float = 0.0, seed: torch.Tensor | None = None,
+                           window_left: int = -1, window_right: int = -1,
+                           softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                           cu_seq_q: torch.Tensor | None = None,
+                           cu_seq_k: torch.Tensor | None = None, max_q: int = 0,
+                           max_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    if cu_seq_q is not None:
+        check_sequences(cu_seq_q, cu_seq_k, q.shape[2], k.shape[2], max_q, max_k,
+                        "pallas::attention_forward")
+    return _forward_values(q, k, v, mask, scale, is_causal, dropout_p, seed, window_left,
+                           window_right, softcap, sinks, cu_seq_q, cu_seq_k)
+
+
+def _traced_forward(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=None, window_left=-1,
+                    window_right=-1, softcap=0.0, sinks=None, cu_seq_q=None, cu_seq_k=None,
+                    max_q=0, max_k=0):
+    """What torch.compile traces on CUDA: the kernels, no read of cu_seq."""
+    return _forward_values(q, k, v, mask, scale, is_causal, dropout_p, seed, window_left,
+                           window_right, softcap, sinks, cu_seq_q, cu_seq_k)
+
+
+def _forward_values(q, k, v, mask, scale, is_causal, dropout_p, seed, window_left, window_right,
+                    softcap, sinks, cu_seq_q, cu_seq_k):
     dropping = _dropout_operands(q, dropout_p, seed, "pallas::attention_forward")
     if q.shape[:3].numel() * v.shape[-1] == 0 or k.shape[2] == 0:
         out, lse = _forward_fake(q, k, v, mask, scale, is_causal)
         if k.shape[2] == 0:  # no keys: every row sees nothing
             out.zero_()
-        return out, lse.fill_(float("inf"))
-    inputs = (q, k, v) + (() if mask is None else (mask,)) + dropping
-    return launch.run("attention", q.device, inputs, _params(scale, is_causal, dropout_p))
+        lse.fill_(float("inf"))
+        return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
+    spans, causal = _spans(q, k, is_causal, window_left, window_right, cu_seq_q, cu_seq_k)
+    inputs = ((q, k, v) + (() if mask is None else (mask,)) + (() if spans is None else (spans,))
+              + dropping)
+    out, lse = launch.run("attention", q.device, inputs,
+                          _params(scale, causal, dropout_p, spans is not None, softcap))
+    return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
+
+
+_FORWARD_DEFAULTS = (0.0, None, -1, -1, 0.0, None, None, None, 0, 0)
 
 
 def _setup_context(ctx, inputs, output):
-    # The dispatcher passes the arguments given: the dropout ones may be absent.
-    q, k, v, mask, scale, is_causal, dropout_p, seed = (*inputs, *(0.0, None)[len(inputs) - 6:])
+    # The dispatcher passes the arguments given: the trailing ones may be absent.
+    (q, k, v, mask, scale, is_causal, dropout_p, seed, window_left, window_right, softcap, sinks,
+     cu_seq_q, cu_seq_k, _, _) = (*inputs, *_FORWARD_DEFAULTS[len(inputs) - 6:])
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.save_for_backward(q, k, v, mask, out, lse, seed)
-    ctx.params = (scale, is_causal, dropout_p, len(inputs))
+    ctx.save_for_backward(q, k, v, mask, out, lse, seed, sinks, cu_seq_q, cu_seq_k)
+    ctx.params = (scale, is_causal, dropout_p, window_left, window_right, softcap, len(inputs))
 
 
 def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, mask, out, lse, seed = ctx.saved_tensors
-    scale, is_causal, dropout_p, num_inputs = ctx.params
-    dq = dk = dv = dmask = None
+    q, k, v, mask, out, lse, seed, sinks, cu_seq_q, cu_seq_k = ctx.saved_tensors
+    scale, is_causal, dropout_p, window_left, window_right, softcap, num_inputs = ctx.params
+    extras = (window_left, window_right, softcap, cu_seq_q, cu_seq_k)
+    dq = dk = dv = dmask = dsinks = None
     if any(ctx.needs_input_grad[:3]):
         dq, dk, dv = torch.ops.pallas.attention_backward(
-            q, k, v, out, grad_out, lse, mask, scale, is_causal, dropout_p, seed)
+            q, k, v, out, grad_out, lse, mask, scale, is_causal, dropout_p, seed, *extras)
     if ctx.needs_input_grad[3]:
         dmask = _mask_gradient(q, k, v, mask, out, grad_out, lse, scale, is_causal, dropout_p,
-                               seed)
-    return (dq, dk, dv, dmask) + (None,) * (num_inputs - 4)
+                               seed, *extras)
+    if num_inputs > 11 and ctx.needs_input_grad[11]:
+        dsinks = sinks_gradient(sinks, out, grad_out, lse)
+    grads = (dq, dk, dv, dmask) + (None,) * 7 + (dsinks,) + (None,) * 4
+    return grads[:num_inputs]
 
 
 def _mask_gradient(q, k, v, mask, out, grad_out, lse, scale, is_causal, dropout_p=0.0,
-                   seed=None):
+                   seed=None, window_left=-1, window_right=-1, softcap=0.0, cu_seq_q=None,
+                   cu_seq_k=None):
     """d loss / d mask = the scores' gradient, p * (dp Z - delta) (Z the
     dropout's kept-and-scaled mask, 1 without dropout), summed over the
     mask's broadcast batch and heads; torch ops in float32."""
     group = q.shape[1] // k.shape[1]
     k32 = k.float().repeat_interleave(group, dim=1)
     v32 = v.float().repeat_interleave(group, dim=1)
-    scores = (q.float() @ k32.mT) * scale + mask.float()
+    scores = (q.float() @ k32.mT) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores + mask.float()
+    spans, is_causal = _spans(q, k, is_causal, window_left, window_right, cu_seq_q, cu_seq_k)
+    if spans is not None:
+        scores = scores.masked_fill(~attention_spans.visible(spans, k.shape[2]), float("-inf"))
     if is_causal:
         scores = scores.masked_fill(_causal_hidden(q.shape[2], k.shape[2], q.device), float("-inf"))
     p = torch.exp(scores - lse.unsqueeze(-1))
@@ -294,13 +442,15 @@ def _forward_flops(q_shape, k_shape, v_shape, *args, out_shape, **kwargs) -> int
 registration.define(
     "pallas::attention_forward", forward_implementation, fake=_forward_fake,
     backward=_backward, setup_context=_setup_context, flops=_forward_flops,
+    triton_traced=_traced_forward,
 )
 # torch.ops.pallas.attention_forward, skipping the dispatcher on plain eager calls.
 _forward = registration.direct_caller(torch.ops.pallas.attention_forward.default)
 
 
 def _autocast_call(device_type: str, q, k, v, mask, scale, is_causal, dropout_p=0.0,
-                   seed=None):
+                   seed=None, window_left=-1, window_right=-1, softcap=0.0, sinks=None,
+                   cu_seq_q=None, cu_seq_k=None, max_q=0, max_k=0):
     """Under torch.autocast, floating inputs are cast to its dtype, as torch
     casts scaled_dot_product_attention's."""
     dtype = torch.get_autocast_dtype(device_type)
@@ -311,7 +461,9 @@ def _autocast_call(device_type: str, q, k, v, mask, scale, is_causal, dropout_p=
         return t if t.dtype == torch.float64 else t.to(dtype)
 
     return torch.ops.pallas.attention_forward(cast(q), cast(k), cast(v), cast(mask), scale,
-                                              is_causal, dropout_p, seed)
+                                              is_causal, dropout_p, seed, window_left,
+                                              window_right, softcap, cast(sinks), cu_seq_q,
+                                              cu_seq_k, max_q, max_k)
 
 
 registration.register_autocast("pallas::attention_forward", _autocast_call)
@@ -320,7 +472,8 @@ registration.register_autocast("pallas::attention_forward", _autocast_call)
 # --- the backward op -------------------------------------------------------
 
 def _backward_fake(q, k, v, out, grad_out, lse, mask, scale, is_causal, dropout_p=0.0,
-                   seed=None):
+                   seed=None, window_left=-1, window_right=-1, softcap=0.0, cu_seq_q=None,
+                   cu_seq_k=None):
     # Contiguous, as the kernels write them, whatever the inputs' layout
     # (empty_like would promise q's strides: a transposed view's, in a model).
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -329,7 +482,10 @@ def _backward_fake(q, k, v, out, grad_out, lse, mask, scale, is_causal, dropout_
 def backward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             out: torch.Tensor, grad_out: torch.Tensor, lse: torch.Tensor,
                             mask: torch.Tensor | None, scale: float, is_causal: bool,
-                            dropout_p: float = 0.0, seed: torch.Tensor | None = None
+                            dropout_p: float = 0.0, seed: torch.Tensor | None = None,
+                            window_left: int = -1, window_right: int = -1,
+                            softcap: float = 0.0, cu_seq_q: torch.Tensor | None = None,
+                            cu_seq_k: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if grad_out.dtype != q.dtype:
         raise TypeError(f"pallas::attention_backward: grad_out has dtype {grad_out.dtype}, "
@@ -337,9 +493,11 @@ def backward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dropping = _dropout_operands(q, dropout_p, seed, "pallas::attention_backward")
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0 or out.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    inputs = (q, k, v, out, grad_out, lse) + (() if mask is None else (mask,)) + dropping
+    spans, causal = _spans(q, k, is_causal, window_left, window_right, cu_seq_q, cu_seq_k)
+    tables = () if spans is None else (spans, attention_spans.key_spans(spans, k.shape[2]))
+    inputs = (q, k, v, out, grad_out, lse) + (() if mask is None else (mask,)) + tables + dropping
     return launch.run("attention_backward", q.device, inputs,
-                      _params(scale, is_causal, dropout_p))
+                      _params(scale, causal, dropout_p, spans is not None, softcap))
 
 
 def _backward_flops(q_shape, k_shape, v_shape, *args, out_shape, **kwargs) -> int:
@@ -361,7 +519,8 @@ registration.define_composite(
     "pallas::attention",
     "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None, "
     "float dropout_p=0.0, bool is_causal=False, *, float? scale=None, "
-    "bool enable_gqa=False) -> Tensor",
+    "bool enable_gqa=False, int[2] window_size=[-1, -1], float softcap=0.0, "
+    "Tensor? sinks=None) -> Tensor",
     attention_implementation,
 )
 # torch.ops.pallas.attention, its implementation run straight on plain eager calls.
@@ -371,13 +530,29 @@ _call = registration.direct_caller(torch.ops.pallas.attention.default)
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
               is_causal: bool = False, scale: float | None = None,
-              enable_gqa: bool = False) -> torch.Tensor:
+              enable_gqa: bool = False, *, window_size: tuple[int, int] = (-1, -1),
+              softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`torch.nn.functional.scaled_dot_product_attention` on the Pallas
     attention kernels: same arguments, same results (float32 softmax
     statistics), differentiable (FlashAttention-2's backward), with SDPA's
-    dropout when `dropout_p > 0` (the mask drawn from torch's generator)."""
-    return _call(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                 enable_gqa=enable_gqa)
+    dropout when `dropout_p > 0` (the mask drawn from torch's generator).
+
+    Beyond SDPA, keyword-only:
+    - `window_size=(left, right)`: query i sees keys i - left <= j <= i +
+      right (SDPA's top-left alignment; -1 unbounded; with `is_causal` both
+      apply); the kernels skip the key blocks outside it.
+    - `softcap=c`: scores capped to c * tanh(s / c) after scaling, before
+      the mask (Gemma 2); 0 is off.
+    - `sinks` (Hq,): a logit per query head joining each row's softmax
+      denominator, adding nothing to the output (gpt-oss); differentiable,
+      in the query's dtype."""
+    if window_size == (-1, -1) and not softcap and sinks is None:
+        return _call(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                     enable_gqa=enable_gqa)
+    return torch.ops.pallas.attention(query, key, value, attn_mask, dropout_p, is_causal,
+                                      scale=scale, enable_gqa=enable_gqa,
+                                      window_size=list(window_size), softcap=softcap,
+                                      sinks=sinks)
 
 
 def attention_backward(q, k, v, out, grad_out, lse, mask=None, scale=None, is_causal=False,

@@ -271,19 +271,20 @@ def check_sequences(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, rows: int, k
         values = cu.tolist()
         if values[0] != 0:
             raise ValueError(f"{op}: {name} must start at 0, got {name}[0]={values[0]}")
-        for i in range(1, len(values)):
-            length = values[i] - values[i - 1]
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        for i, length in enumerate(lengths):
             if length < 0:
                 raise ValueError(f"{op}: {name} must be non-decreasing (cumulative sequence "
-                                 f"ends), got {name}[{i - 1}]={values[i - 1]} > "
-                                 f"{name}[{i}]={values[i]}")
-            if most and length > most:
-                raise ValueError(f"{op}: sequence {i - 1} has {length} "
-                                 f"{'queries' if name == 'cu_seq_q' else 'keys'}, more than "
-                                 f"{limit}={most}")
+                                 f"ends), got {name}[{i}]={values[i]} > "
+                                 f"{name}[{i + 1}]={values[i + 1]}")
         if values[-1] > total:
             raise ValueError(f"{op}: {name}[-1]={values[-1]} is past the {total} "
                              f"{'query' if name == 'cu_seq_q' else 'key'} tokens")
+        longest = max(lengths, default=0)
+        if most and longest > most:
+            raise ValueError(f"{op}: sequence {lengths.index(longest)} has {longest} "
+                             f"{'queries' if name == 'cu_seq_q' else 'keys'}, more than "
+                             f"{limit}={most}")
 
 
 def _with_sinks(out, lse, sinks):

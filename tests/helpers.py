@@ -31,7 +31,7 @@ SLOW_ON_SIMULATORS = ("attention", "attention_backward", "linear_cross_entropy",
                       "linear_cross_entropy_backward", "rotary_embedding",
                       "rotary_embedding_backward", "rms_norm", "rms_norm_backward",
                       "layer_norm", "layer_norm_backward", "swiglu", "swiglu_backward",
-                      "grouped_mm", "grouped_mm_backward")
+                      "grouped_mm", "grouped_mm_backward", "varlen_attention")
 
 
 def backend_cases(subjects: dict) -> list:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import torch_pallas
 from test_distributed import on_gloo_mesh
+from torch_pallas.ops import varlen_attention
 from torch_pallas.ops.linear_cross_entropy import torch_linear_cross_entropy
 from torch_pallas.ops.rotary_embedding import torch_rotary_embedding  # transformers' composition
 
@@ -48,6 +49,16 @@ def _targets(rows, vocab):
 
 def _dropout_reference(q, k, v):
     return torch_pallas.attention(q, k, v, dropout_p=0.3)  # same seed: same mask
+
+
+def _sdpa_extras(q, k, v, sinks):
+    """SDPA's math with a (3, 0) window, softcap 4 and sinks (torch ops)."""
+    k, v = (t.repeat_interleave(2, 1) for t in (k, v))
+    scores = 4.0 * torch.tanh((q @ k.mT) / q.shape[-1] ** 0.5 / 4.0)
+    i, j = torch.arange(q.shape[2])[:, None], torch.arange(k.shape[2])
+    scores = scores.masked_fill(~((j <= i) & (j >= i - 3)), float("-inf"))
+    sink = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ v
 
 
 class Case(NamedTuple):
@@ -116,6 +127,22 @@ CASES = {
         lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, m),
         [(4, 2, 5, 8), (4, 2, 9, 8), (4, 2, 9, 8), ((4, 1, 5, 9), False)],
         ["S0", "S0", "S0", "S0"], ["S0"], torch_on_dtensors=False),
+    # sinks split with the heads, cu_seq whole
+    "varlen_attention heads window sinks": Case(
+        lambda q, k, v, cu, s: torch_pallas.varlen_attention(
+            q, k, v, cu, cu, 6, 6, window_size=(2, 0), enable_gqa=True, sinks=s, softcap=5.0),
+        lambda q, k, v, cu, s: varlen_attention.reference(
+            q, k, v, cu, cu, window_size=(2, 0), enable_gqa=True, sinks=s, softcap=5.0,
+            dtype=q.dtype),
+        [(11, 4, 8), (11, 2, 8), (11, 2, 8),
+         (lambda: torch.tensor([0, 5, 5, 11], dtype=torch.int32), False), (4,)],
+        ["S1", "S1", "S1", "R", "S0"], ["S1"], torch_on_dtensors=False),
+    "attention heads window softcap sinks": Case(
+        lambda q, k, v, s: torch_pallas.attention(q, k, v, window_size=(3, 0), softcap=4.0,
+                                                  sinks=s, enable_gqa=True),
+        lambda q, k, v, s: _sdpa_extras(q, k, v, s),
+        [(2, 4, 7, 8), (2, 2, 7, 8), (2, 2, 7, 8), (4,)], ["S1", "S1", "S1", "S0"], ["S1"],
+        torch_on_dtensors=False),
     # the loss Partial over the ranks' tokens, divided by their count (one
     # all-reduce of a scalar)
     "linear_cross_entropy tokens mean": Case(

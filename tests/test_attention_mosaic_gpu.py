@@ -13,6 +13,10 @@ case runs the forward and, on the forward's own o and lse, the backward.
 select_config gives the simulator the one-warpgroup form of the kernels
 (attention_blocks.tile_pipeline); the hardware's warp-specialized form is
 simulated where the machine has the cores for it.
+
+Spans (windows, packed sequences) and softcap: the same checks on calls
+with them, alone and with GQA, a mask and dropout; key blocks no row reaches
+are NaN in one of them, which only skipping them keeps out of the results.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ def run_forward(case):
 
 
 def run_backward(case, o, do, lse):
-    inputs = (case.q, case.k, case.v, o, do, lse) + case.extra
+    inputs = (case.q, case.k, case.v, o, do, lse) + case.backward_extra
     return run_kernel(BACKWARD, SIMULATOR, inputs, **case.params)
 
 
@@ -113,6 +117,58 @@ def test_simulated_head_dim_256_many_blocks():
                          mask="heads", causal=True))
 
 
+# Spans (kernels/attention_shapes.py) and softcap: each case's forward and
+# backward against the float64 reference, as CASES. The kernels' tiles are 64
+# query rows (block_kv 128 forward, 64 backward) in the simulator.
+SPAN_CASES = [
+    # A top-left window with causal folded into it; L != S, ragged.
+    ("window-5-0-causal-L<S", dict(b=1, hq=2, hkv=1, l=70, s=100, e=32, dtype=F16,
+                                   window=(5, 0), causal=True)),
+    ("window-3-2", dict(b=1, hq=1, hkv=1, l=80, s=66, e=32, dtype=BF16, window=(3, 2))),
+    # Packed sequences, causal (bottom-right): an empty one, Lq > Lk (its
+    # first rows see nothing), Lq < Lk, rows and keys past the last one.
+    ("packed-sequences-causal", dict(b=1, hq=2, hkv=1, l=140, s=150, e=32, dtype=BF16,
+                                     sequences=[(20, 30), (0, 10), (50, 20), (30, 80)],
+                                     causal=True)),
+    ("softcap", dict(b=1, hq=2, hkv=2, l=37, s=45, e=32, dtype=BF16, softcap=5.0)),
+    ("softcap-window-gqa", dict(b=1, hq=4, hkv=2, l=70, s=130, e=40, ev=24, dtype=F16,
+                                window=(20, 10), softcap=2.0)),
+    ("window-causal-f32-mask", dict(b=1, hq=2, hkv=1, l=70, s=90, e=32, dtype=F16,
+                                    window=(30, 0), causal=True, mask="heads",
+                                    mask_dtype=F32)),
+    ("window-dropout", dict(b=1, hq=2, hkv=1, l=70, s=90, e=32, dtype=BF16, window=(30, 30),
+                            dropout_p=0.3)),
+]
+
+
+@pytest.mark.parametrize("kwargs", [c[1] for c in SPAN_CASES], ids=[c[0] for c in SPAN_CASES])
+def test_simulated_spans_and_softcap_match_float64(kwargs):
+    check_case(make_case(**kwargs))
+
+
+def test_spans_never_read_key_blocks_no_row_reaches():
+    """Two packed sequences, a causal window of 10 keys (bottom-right): the
+    first's 64 queries see keys 310..383 of its 384, the second's its keys
+    384..447; keys 448..575 belong to none. Keys 0..255 and 512..575 (whole
+    blocks of 64 and 128 keys) are NaN: the forward and dQ kernels must
+    never load them (a zero weight times NaN is NaN), and the dK/dV kernel
+    visits no query block for them (their gradients are exact zeros)."""
+    case = make_case(b=1, hq=2, hkv=1, l=128, s=576, e=32, dtype=F16, window=(10, 0),
+                     causal=True, sequences=[(64, 384), (64, 64)])
+    do = torch.randn(case.q.shape).to(case.q.dtype)
+    ref, errors = torch_error(case, do)
+    k, v = case.k.clone(), case.v.clone()
+    for unreached in (slice(0, 256), slice(512, 576)):
+        k[:, :, unreached], v[:, :, unreached] = float("nan"), float("nan")
+    poisoned = dataclasses.replace(case, k=k, v=v)
+    o, lse = run_forward(poisoned)
+    check_forward(case, o, lse, ref, errors)
+    grads = run_backward(poisoned, o, do, lse)
+    check_gradients(case, grads, ref, errors)
+    for grad in grads[1:]:
+        assert torch.equal(grad[:, :, :256], torch.zeros_like(grad[:, :, :256]))
+
+
 def simulate(case, do, forward_config, backward_config):
     """The forward (and with `do`, the backward on its o and lse) simulated
     with the given configs; torch tensors out."""
@@ -126,16 +182,21 @@ def simulate(case, do, forward_config, backward_config):
         return torch.from_dlpack(x.astype(jnp.float32)).to(case.q.dtype if x.dtype == dtype
                                                            else F32)
 
+    def as_operand(t):  # spans stay int32
+        return jnp.asarray(t.numpy()) if t.dtype == torch.int32 else as_jax(t)
+
     q, k, v = map(as_jax, (case.q, case.k, case.v))
-    mask = () if case.mask is None else (as_jax(case.mask),)
-    params = dict(scale=case.scale, causal=case.causal, interpret=interpret)
+    extra = tuple(map(as_operand, case.extra))
+    backward_extra = tuple(map(as_operand, case.backward_extra))
+    params = dict(case.params, interpret=interpret)
     try:
         o, lse = jax.block_until_ready(jax.jit(lambda *a: forward.attention(
-            *a, **params, config=forward_config))(q, k, v, *mask))
+            *a, **params, config=forward_config))(q, k, v, *extra))
         grads = None
         if do is not None:
             grads = jax.block_until_ready(jax.jit(lambda *a: backward.attention_backward(
-                *a, **params, config=backward_config))(q, k, v, o, as_jax(do), lse, *mask))
+                *a, **params, config=backward_config))(q, k, v, o, as_jax(do), lse,
+                                                       *backward_extra))
     except Exception:
         jax_env.reset_simulator("mosaic_gpu")
         raise
@@ -168,15 +229,26 @@ def test_simulated_persistent_grid_with_several_programs():
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+# The warp-specialized kernels' calls: GQA, a per-head mask, ragged; causal,
+# or packed causal sequences (an empty one, rows past the last; tiles whose
+# pipelines start past block 0, or have no step) with a softcap.
+WARP_SPECIALIZED_CASES = {
+    "causal": dict(causal=True),
+    "sequences-softcap": dict(causal=True, sequences=[(30, 20), (0, 10), (50, 60)],
+                              softcap=3.0),
+}
+
+
+@pytest.mark.parametrize("kind", list(WARP_SPECIALIZED_CASES))
 @pytest.mark.parametrize("compute_wgs", [1, 2])
-def test_simulated_warp_specialized_kernels(compute_wgs):
+def test_simulated_warp_specialized_kernels(compute_wgs, kind):
     """The hardware's kernels (a memory warpgroup beside one or two compute
     warpgroups) on two programs: GQA, causal, a per-head mask, ragged."""
     if CORES < compute_wgs + 2:
         pytest.skip(f"{CORES} CPU cores: the simulator needs {compute_wgs + 2} to run "
                     f"{compute_wgs + 1} warpgroups without deadlocking")
-    case = make_case(b=1, hq=4, hkv=2, l=70, s=100, e=40, ev=24, causal=True, dtype=BF16,
-                     mask="heads")
+    case = make_case(b=1, hq=4, hkv=2, l=140 if kind != "causal" else 70, s=100, e=40, ev=24,
+                     dtype=BF16, mask="heads", **WARP_SPECIALIZED_CASES[kind])
     do = torch.randn(case.q.shape[:-1] + (case.v.shape[-1],)).to(BF16)
     o, lse, grads = simulate(
         case, do,
@@ -211,6 +283,10 @@ def test_float32_is_refused_and_16_bit_is_not():
         avals = (((1, 2, 8, 32), "float32"), ((1, 2, 8, 32), "float32"), ((1, 2, 8, 32), "float32"))
         reason = spec.refusal("mosaic_gpu", avals, {"scale": 0.1, "causal": False})
         assert reason is not None and "float32" in reason and "float16 or bfloat16" in reason
+        spans = (((8, 2), "int32"),) + ((((8, 2), "int32"),) if spec is backward.KERNEL else ())
+        reason = spec.refusal("mosaic_gpu", avals + spans,
+                              {"scale": 0.1, "causal": False, "spans": True, "softcap": 5.0})
+        assert reason is not None and "float32" in reason
         assert spec.refusal("mosaic_gpu", tuple((s, "bfloat16") for s, _ in avals), {}) is None
 
 
@@ -261,30 +337,34 @@ def lower_for_hopper(f, avals) -> str:
 
 
 def attention_avals(e, ev, mask_dtype, dtype="bfloat16", b=2, hq=4, hkv=2, l=300, s=500,
-                    mask_heads=1, saved=False, dropout=False):
+                    mask_heads=1, saved=False, dropout=False, spans=False):
     """Avals of a forward call, or with `saved` of a backward call (with
-    `dropout`, the rows' keys last)."""
+    `spans`, the spans (and key spans) after the mask; with `dropout`, the
+    rows' keys last)."""
     avals = (((b, hq, l, e), dtype), ((b, hkv, s, e), dtype), ((b, hkv, s, ev), dtype))
     if saved:
         avals += (((b, hq, l, ev), dtype), ((b, hq, l, ev), dtype), ((b, hq, l), "float32"))
     avals += () if mask_dtype is None else (((b, mask_heads, l, s), mask_dtype),)
+    if spans:
+        avals += (((l, 2), "int32"),) + ((((s, 2), "int32"),) if saved else ())
     return avals + ((((b, hq, l), "int32"),) if dropout else ())
 
 
-def lower_params(causal, dropout_p):
-    return {"scale": 0.125, "causal": causal} | ({"dropout_p": dropout_p} if dropout_p else {})
+def lower_params(causal, dropout_p, **extra):
+    return ({"scale": 0.125, "causal": causal} | ({"dropout_p": dropout_p} if dropout_p else {})
+            | extra)
 
 
-def lower_forward(avals, causal, config=None, dropout_p=0.0):
-    params = lower_params(causal, dropout_p)
+def lower_forward(avals, causal, config=None, dropout_p=0.0, **extra):
+    params = lower_params(causal, dropout_p, **extra)
     config = config or forward.KERNEL.config("mosaic_gpu", avals, params, H100)
     lower_for_hopper(lambda *a: forward.attention(*a, **params, config=config, interpret=None),
                      avals)
     return config
 
 
-def lower_backward(avals, causal, config=None, dropout_p=0.0):
-    params = lower_params(causal, dropout_p)
+def lower_backward(avals, causal, config=None, dropout_p=0.0, **extra):
+    params = lower_params(causal, dropout_p, **extra)
     config = config or backward.KERNEL.config("mosaic_gpu", avals, params, H100)
     lower_for_hopper(lambda *a: backward.attention_backward(*a, **params, config=config,
                                                             interpret=None), avals)
@@ -363,3 +443,26 @@ def test_decode_and_mqa_lower_for_hopper():
     avals = attention_avals(128, 128, "float16", "float16", b=1, hq=8, hkv=1, l=1, s=4096,
                             mask_heads=8)
     assert lower_forward(avals, causal=False).compute_wgs == 1
+
+
+@pytest.mark.parametrize("e,mask_dtype,dropout_p,simulators", [
+    (64, None, 0.0, False),  # two compute warpgroups
+    (256, "float32", 0.5, False),  # one, where shared memory is tightest
+    (128, "bfloat16", 0.0, True),  # the simulator's one-warpgroup kernels
+], ids=str)
+def test_spans_and_softcap_lower_for_hopper(e, mask_dtype, dropout_p, simulators):
+    """Spans (the pipelines' dynamic start and length from the spans in
+    GMEM, the rows' spans in SMEM) and softcap, forward and backward."""
+    extra = {"spans": True, "softcap": 30.0}
+    for saved, kernel, lower in ((False, forward.KERNEL, lower_forward),
+                                 (True, backward.KERNEL, lower_backward)):
+        avals = attention_avals(e, e, mask_dtype, mask_heads=4, saved=saved,
+                                dropout=dropout_p > 0, spans=True)
+        params = lower_params(False, dropout_p, **extra)
+        if simulators:
+            config = dataclasses.replace(kernel.config(SIMULATOR, avals, params, None),
+                                         num_programs=H100.core_count)
+        else:
+            config = kernel.config("mosaic_gpu", avals, params, H100)
+            assert config.compute_wgs == (2 if e == 64 else 1), config
+        lower(avals, False, config, dropout_p=dropout_p, **extra)

@@ -26,6 +26,13 @@ does it without atomics; the warp-specialized Hopper structure after both):
   kernel, loaded once per warpgroup by the dQ kernel), and each step
   recomputes the tile's mask Z from them (attention_blocks.dropout_factors):
   dV takes (P Z)ᵀ dO, and dS = P * (dP Z - delta).
+- Spans: the dQ kernel visits the key blocks its rows' spans reach, as the
+  forward does; the dK/dV kernel the query blocks from its first key's
+  key_spans start to its last valid key's end (the (2, Sp) key spans in
+  GMEM), streaming each block's rows' spans with lse and delta for the
+  element mask of blocks across a span's edge.
+- Softcap: P from the capped scores; dS times 1 - t², t = tanh(scale q.k /
+  c) of the unmasked score (attention_blocks.softcapped).
 - Both kernels run on persistent grids (`plgpu.nd_loop` over the tiles, one
   program per SM; causal tiles longest first). Without warp specialization
   (the form select_config gives the simulator) one warpgroup does both jobs
@@ -50,11 +57,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from torch_pallas.kernels.attention_shapes import optional_operands
+from torch_pallas.kernels.attention_shapes import attention_operands
 from torch_pallas.kernels.mosaic_gpu import attention_launch
 from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     LOG2E,
     PROGRAMS_AXIS,
+    RowSpans,
+    block_range,
     fits_smem,
     itemsize,
     mask_view,
@@ -62,6 +71,8 @@ from torch_pallas.kernels.mosaic_gpu.attention_blocks import (
     padded_head_dim,
     WARPGROUP_AXIS,
     dropout_factors,
+    softcapped,
+    straddles,
     tile_pipeline,
     tile_transforms,
     visible,
@@ -92,7 +103,7 @@ class BackwardConfig:
         return cls(block_q=64, block_kv=64, max_concurrent_steps=2)
 
     def smem_bytes(self, dtype, head_dim: int, value_dim: int, mask_dtype=None,
-                   dropout: bool = False) -> dict:
+                   dropout: bool = False, spans: bool = False) -> dict:
         """Shared memory of each kernel on the hardware (the simulator also
         stages dS and the outputs apart)."""
         size = itemsize(dtype)
@@ -100,7 +111,8 @@ class BackwardConfig:
         bq, bk, wgs = self.block_q, self.block_kv, self.compute_wgs
         steps = self.max_concurrent_steps
         mask = 0 if mask_dtype is None else wgs * bq * bk * itemsize(mask_dtype)
-        rows = (3 if dropout else 2) * bq * 4  # lse, delta (and the dropout keys)
+        # lse, delta (and the dropout keys, the spans' starts and ends)
+        rows = (2 + int(dropout) + 2 * int(spans)) * bq * 4
         # K, V tiles (dK, dV leave through them), Pᵀ and dSᵀ tiles; Q, dO, rows, mask
         dkv = wgs * (bk * (e + ev) + 2 * bq * bk) * size + steps * (
             bq * (e + ev) * size + rows + mask)
@@ -109,15 +121,15 @@ class BackwardConfig:
         return {"dkv": dkv, "dq": dq}
 
     def fits(self, dtype, head_dim: int, value_dim: int, mask_dtype=None,
-             dropout: bool = False) -> bool:
-        return all(fits_smem(n) for n in
-                   self.smem_bytes(dtype, head_dim, value_dim, mask_dtype, dropout).values())
+             dropout: bool = False, spans: bool = False) -> bool:
+        return all(fits_smem(n) for n in self.smem_bytes(dtype, head_dim, value_dim, mask_dtype,
+                                                         dropout, spans).values())
 
     def check(self, dtype, head_dim: int, value_dim: int, mask_dtype=None,
-              dropout: bool = False) -> None:
+              dropout: bool = False, spans: bool = False) -> None:
         attention_launch.check_tiles("attention backward", self)
         for kernel, nbytes in self.smem_bytes(dtype, head_dim, value_dim, mask_dtype,
-                                              dropout).items():
+                                              dropout, spans).items():
             if not fits_smem(nbytes):
                 raise ValueError(f"attention backward: {self} needs {nbytes} bytes of shared "
                                  f"memory in its {kernel} kernel for head dims "
@@ -135,27 +147,40 @@ def scores(q_smem, k_operand, do_smem, v_operand, *, bq, bk):
                          plgpu.ACC((bq, bk), jnp.float32))
 
 
-def probabilities(s, mask_tile, lse2, target, *, score_scale, row0, col0, kv_len, causal,
-                  ragged):
-    """P = exp(s - lse), from the raw scores S = Q Kᵀ (lse2 in base 2)."""
-    s = s * score_scale
+def probabilities(s, mask_tile, lse2, target, *, scale, row0, col0, kv_len, causal, ragged,
+                  softcap=0.0, spans=None):
+    """P = exp(s - lse), from the raw scores S = Q Kᵀ (lse2 in base 2), and
+    with a softcap the tanh t of the capped scores (else None)."""
+    s, t = softcapped(s, scale=scale, softcap=softcap)
     if mask_tile is not None:
         s = s + mask_tile.astype(jnp.float32) * LOG2E
-    s = visible(s, target, row0=row0, col0=col0, kv_len=kv_len, causal=causal, ragged=ragged)
-    return jnp.exp2(s - jax.lax.broadcast_in_dim(lse2, s.shape, [0]))
+    s = visible(s, target, row0=row0, col0=col0, kv_len=kv_len, causal=causal, ragged=ragged,
+                spans=spans)
+    return jnp.exp2(s - jax.lax.broadcast_in_dim(lse2, s.shape, [0])), t
+
+
+def score_gradient(p, dp, delta, t):
+    """dS = P * (dP - delta), times softcap's 1 - t² (t from the unmasked
+    scores: finite where the mask hides a score, whose P is 0)."""
+    ds = p * (dp - jax.lax.broadcast_in_dim(delta, dp.shape, [0]))
+    return ds if t is None else ds * (1.0 - t * t)
 
 
 def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scale, causal,
-               kv_len, group, has_mask, target, config, dropout_p=0.0):
+               kv_len, group, has_mask, target, config, dropout_p=0.0, softcap=0.0,
+               spans=False, q_len=None):
     """q_gmem (B, Hq, Lp, Ep), do_gmem (B, Hq, Lp, Evp); k_gmem (B, Hkv,
     Sp, Ep) and v_gmem (B, Hkv, Sp, Evp), or both transposed in the
     simulator; lse_gmem (base 2) and delta_gmem (B, Hq, Lp) float32; mask
-    (Bm, Hm, Lp, Sp) when `has_mask`; with dropout the rows' keys (B, Hq,
-    Lp) int32. Outputs dk (B, Hkv, Sp, Ep), dv (B, Hkv, Sp, Evp). Each
-    program loops over (batch, key/value head, key block) tiles; each
+    (Bm, Hm, Lp, Sp) when `has_mask`; with `spans` the rows' spans (2, Lp)
+    and the keys' (2, Sp) int32 (starts, ends); with dropout the rows' keys
+    (B, Hq, Lp) int32. Outputs dk (B, Hkv, Sp, Ep), dv (B, Hkv, Sp, Evp).
+    Each program loops over (batch, key/value head, key block) tiles; each
     compute warpgroup owns `block_kv` keys of one."""
     *ins, dk_gmem, dv_gmem = refs
-    mask_gmem, keys_gmem = optional_operands(ins, dropout_p)
+    named = attention_operands(ins, {"dropout_p": dropout_p, "spans": spans}, backward=True)
+    mask_gmem, spans_gmem, key_spans_gmem, keys_gmem = (named.mask, named.spans,
+                                                        named.key_spans, named.keys)
     bq, bk, wgs = config.block_q, config.block_kv, config.compute_wgs
     tile_keys = wgs * bk
     batch, kv_heads = dk_gmem.shape[:2]
@@ -166,13 +191,15 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
     transforms = tile_transforms(dtype)
     ragged = kv_len % bk != 0
     # The pipeline's slots: one allocation serves every tile's pipeline.
-    steps = config.max_concurrent_steps if causal else min(config.max_concurrent_steps,
-                                                           group * q_blocks)
+    steps = (config.max_concurrent_steps if causal or spans
+             else min(config.max_concurrent_steps, group * q_blocks))
 
-    def step(kj, k_tiles, v_tiles, pt_tiles, dst_tiles, head_and_block, indices, q_smem,
+    def step(kj, full, k_tiles, v_tiles, pt_tiles, dst_tiles, head_and_block, indices, q_smem,
              do_smem, lse_smem, delta_smem, *rest):
         *tiles, carry = rest
-        mask_smem, keys_smem = optional_operands(tiles, dropout_p)
+        mask_smem = tiles.pop(0) if has_mask else None
+        spans_smem = tiles.pop(0) if spans else None
+        keys_smem = tiles.pop(0) if keys_gmem is not None else None
         dk_acc, dv_acc = carry
         (t,) = indices
         _, i = head_and_block(t)
@@ -181,17 +208,21 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
                        target.transposed(v_tiles.at[wg]), bq=bq, bk=bk)
         mask_tile = mask_smem.at[:, pl.ds(wg * bk, bk)][...] if has_mask else None
         col0 = kj * tile_keys + wg * bk
-        p = probabilities(s, mask_tile, target.load_rows(lse_smem), target,
-                          score_scale=scale * LOG2E, row0=i * bq, col0=col0, kv_len=kv_len,
-                          causal=causal, ragged=ragged)
+        row_spans = None
+        if spans:  # the step's rows' spans; the element mask where rows miss some keys
+            row_spans = RowSpans(target.load_rows(spans_smem.at[0]),
+                                 target.load_rows(spans_smem.at[1]),
+                                 straddles(i * bq, i * bq + bq, full))
+        p, tanh = probabilities(s, mask_tile, target.load_rows(lse_smem), target, scale=scale,
+                                row0=i * bq, col0=col0, kv_len=kv_len, causal=causal,
+                                ragged=ragged, softcap=softcap, spans=row_spans)
         pz = p
         if keys_smem is not None:  # dV takes the dropped P, dP the same mask
             z = dropout_factors(target.load_rows(keys_smem), target, col0=col0, shape=p.shape,
                                 dropout_p=dropout_p)
             pz, dp = p * z, dp * z
         plgpu.wgmma(dv_acc, target.stage_transposed(pz, pt_tiles.at[wg]), do_smem)
-        delta = target.load_rows(delta_smem)
-        ds = p * (dp - jax.lax.broadcast_in_dim(delta, dp.shape, [0]))
+        ds = score_gradient(p, dp, target.load_rows(delta_smem), tanh)
         plgpu.wgmma(dk_acc, target.stage_transposed(ds, dst_tiles.at[wg]), q_smem)
         plgpu.wgmma_wait(0)  # this step's tiles are released when it returns
         return carry
@@ -225,7 +256,12 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
 
     def pipeline(b, kv_head, kj, scratch):
         k_tiles, v_tiles, pt_tiles, dst_tiles, out_tiles, barriers = scratch
-        if causal:  # query blocks before the tile's first key see none of its keys
+        full = None
+        if spans:  # the query blocks from the first key's first row to the last's last
+            first_key = kj * tile_keys
+            last_key = jnp.minimum(first_key + tile_keys - 1, kv_len - 1)
+            first_q, per_head, full = block_range(key_spans_gmem, first_key, last_key, bq)
+        elif causal:  # query blocks before the tile's first key see none of its keys
             first_q = kj * tile_keys // bq
             per_head = jnp.maximum(q_blocks - first_q, 0)
         else:
@@ -251,11 +287,15 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
             in_specs.append(plgpu.BlockSpec((None, bq, tile_keys), mask_index,
                                             transforms=tile_transforms(mask_gmem.dtype)))
             gmem.append(mask_gmem.at[b if mask_gmem.shape[0] > 1 else 0])
+        if spans:  # the rows' starts and ends, one (2, block_q) block per step
+            in_specs.append(plgpu.BlockSpec((2, bq), lambda t: (0, head_and_block(t)[1])))
+            gmem.append(spans_gmem)
         if keys_gmem is not None:  # the rows' keys, streamed like lse
             in_specs.append(row_spec)
             gmem.append(keys_gmem.at[b])
         run = tile_pipeline(
-            functools.partial(step, kj, k_tiles, v_tiles, pt_tiles, dst_tiles, head_and_block),
+            functools.partial(step, kj, full, k_tiles, v_tiles, pt_tiles, dst_tiles,
+                              head_and_block),
             warp_specialized=config.warp_specialized,
             grid=(group * per_head,),
             in_specs=in_specs,
@@ -297,7 +337,8 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
 
 
 def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scale, causal,
-              kv_len, group, has_mask, target, config, dropout_p=0.0):
+              kv_len, group, has_mask, target, config, dropout_p=0.0, softcap=0.0, spans=False,
+              q_len=None):
     """As dkv_kernel's operands, with K and V as they lie; in the simulator
     Kᵀ (B, Hkv, Ep, Sp) and Vᵀ (B, Hkv, Evp, Sp) follow delta_gmem. Output
     dq (B, Hq, Lp, Ep). Each program loops over (batch, query head, query
@@ -307,7 +348,8 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
     else:
         kt_gmem, vt_gmem, *refs = refs
     *ins, dq_gmem = refs
-    mask_gmem, keys_gmem = optional_operands(ins, dropout_p)
+    named = attention_operands(ins, {"dropout_p": dropout_p, "spans": spans}, backward=True)
+    mask_gmem, spans_gmem, keys_gmem = named.mask, named.spans, named.keys
     bq, bk, wgs = config.block_q, config.block_kv, config.compute_wgs
     tile_rows = wgs * bq
     batch, q_heads, lp, e = q_gmem.shape
@@ -319,10 +361,14 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
     ragged = kv_len % bk != 0
     steps = min(config.max_concurrent_steps, kv_blocks)
 
-    def step(first_row, q_tiles, do_tiles, ds_tiles, indices, *tiles):
+    def step(first_row, kv_start, full, q_tiles, do_tiles, ds_tiles, indices, *tiles):
         *tiles, carry = tiles
-        dq_acc, lse2, delta, *row_keys = carry  # the rows' dropout keys, with dropout
+        # the rows' dropout keys, with dropout, and their spans ride along
+        dq_acc, lse2, delta, *ride = carry
+        row_keys = ride[:1] if keys_gmem is not None else ()
         (j,) = indices
+        if spans:  # the key block: the pipeline starts at the first one the rows reach
+            j = j + kv_start
         wg = warpgroup(config.warp_specialized)
         if target.hardware:  # K and V once each, read both ways in place
             k_smem, v_smem, *mask_smem = tiles
@@ -331,22 +377,25 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
             k_smem, kt, vt, *mask_smem = tiles
         s, dp = scores(q_tiles.at[wg], kt, do_tiles.at[wg], vt, bq=bq, bk=bk)
         mask_tile = mask_smem[0].at[pl.ds(wg * bq, bq)][...] if has_mask else None
-        p = probabilities(s, mask_tile, lse2, target, score_scale=scale * LOG2E,
-                          row0=first_row + wg * bq, col0=j * bk, kv_len=kv_len, causal=causal,
-                          ragged=ragged)
+        row_spans = None
+        if spans:  # an element mask only on blocks across a span's edge
+            row_spans = RowSpans(ride[-2], ride[-1], straddles(j * bk, j * bk + bk, full))
+        p, tanh = probabilities(s, mask_tile, lse2, target, scale=scale,
+                                row0=first_row + wg * bq, col0=j * bk, kv_len=kv_len,
+                                causal=causal, ragged=ragged, softcap=softcap, spans=row_spans)
         if row_keys:
             dp = dp * dropout_factors(row_keys[0], target, col0=j * bk, shape=dp.shape,
                                       dropout_p=dropout_p)
-        ds = p * (dp - jax.lax.broadcast_in_dim(delta, dp.shape, [0]))
+        ds = score_gradient(p, dp, delta, tanh)
         ds_operand = target.operand(ds, dtype, None if ds_tiles is None else ds_tiles.at[wg])
         plgpu.wgmma(dq_acc, ds_operand, k_smem)
         plgpu.wgmma_wait(0)  # this step's tiles are released when it returns
         return carry
 
     def compute(b, h, first_row, q_tiles, do_tiles, lse_tiles, delta_tiles, keys_tiles,
-                barriers, run_pipeline):
+                spans_tiles, barriers, run_pipeline):
         """One compute warpgroup's rows: Q, dO, lse, delta (and the dropout
-        keys) in, the loop, dQ out."""
+        keys, the spans) in, the loop, dQ out."""
         wg = warpgroup(config.warp_specialized)
         rows = pl.ds(first_row + wg * bq, bq)
         sources = (q_gmem, do_gmem, lse_gmem, delta_gmem)
@@ -355,14 +404,22 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
             sources, tiles = sources + (keys_gmem,), tiles + (keys_tiles,)
         for n, (src, tile) in enumerate(zip(sources, tiles)):
             plgpu.copy_gmem_to_smem(src.at[b, h, rows], tile.at[wg], barriers.at[n * wgs + wg])
-        for n in range(len(tiles)):
+        n_copies = len(tiles)
+        if spans:  # the rows' starts and ends, one (2, block_q) copy
+            plgpu.copy_gmem_to_smem(spans_gmem.at[:, rows], spans_tiles.at[wg],
+                                    barriers.at[n_copies * wgs + wg])
+            n_copies += 1
+        for n in range(n_copies):
             plgpu.barrier_wait(barriers.at[n * wgs + wg])
         lse2 = target.load_rows(lse_tiles.at[wg])
         delta = target.load_rows(delta_tiles.at[wg])
-        row_keys = () if keys_gmem is None else (target.load_rows(keys_tiles.at[wg]),)
+        ride = () if keys_gmem is None else (target.load_rows(keys_tiles.at[wg]),)
+        if spans:
+            ride += (target.load_rows(spans_tiles.at[wg, 0]),
+                     target.load_rows(spans_tiles.at[wg, 1]))
 
         def accumulate(dq_acc):
-            run_pipeline((dq_acc, lse2, delta, *row_keys))
+            run_pipeline((dq_acc, lse2, delta, *ride))
             return dq_acc[...]
 
         dq = pl.run_scoped(accumulate, plgpu.ACC((bq, e), jnp.float32))
@@ -372,15 +429,24 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
         plgpu.wait_smem_to_gmem(0)  # the tiles are reused by the next tile
 
     def pipeline(b, h, qi, scratch):
-        q_tiles, do_tiles, lse_tiles, delta_tiles, keys_tiles, ds_tiles, barriers = scratch
+        (q_tiles, do_tiles, lse_tiles, delta_tiles, keys_tiles, spans_tiles, ds_tiles,
+         barriers) = scratch
         first_row = qi * tile_rows
-        if causal:  # key blocks past the tile's last row are never loaded
+        kv_start, full = 0, None
+        if spans:  # the key blocks from the first row's start to the last valid row's end
+            last_row = jnp.minimum(first_row + tile_rows - 1, q_len - 1)
+            kv_start, kv_steps, full = block_range(spans_gmem, first_row, last_row, bk)
+        elif causal:  # key blocks past the tile's last row are never loaded
             kv_steps = jnp.minimum(kv_blocks, (first_row + tile_rows + bk - 1) // bk)
         else:
             kv_steps = kv_blocks
         kv_head = h // group
-        rows = lambda j: (j, 0)  # noqa: E731
-        cols = lambda j: (0, j)  # noqa: E731
+        if spans:
+            rows = lambda j: (j + kv_start, 0)  # noqa: E731
+            cols = lambda j: (0, j + kv_start)  # noqa: E731
+        else:
+            rows = lambda j: (j, 0)  # noqa: E731
+            cols = lambda j: (0, j)  # noqa: E731
         if target.hardware:
             in_specs = [plgpu.BlockSpec((bk, e), rows, transforms=transforms),
                         plgpu.BlockSpec((bk, ev), rows, transforms=transforms)]
@@ -391,18 +457,19 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
                         plgpu.BlockSpec((ev, bk), cols, transforms=transforms)]
             gmem = [k_gmem.at[b, kv_head], kt_gmem.at[b, kv_head], vt_gmem.at[b, kv_head]]
         if has_mask:  # one (rows of the tile, block_kv) block per step
-            in_specs.append(plgpu.BlockSpec((tile_rows, bk), lambda j: (qi, j),
+            in_specs.append(plgpu.BlockSpec((tile_rows, bk), lambda j: (qi, rows(j)[0]),
                                             transforms=tile_transforms(mask_gmem.dtype)))
             gmem.append(mask_view(mask_gmem, b, h))
         run = tile_pipeline(
-            functools.partial(step, first_row, q_tiles, do_tiles, ds_tiles),
+            functools.partial(step, first_row, kv_start, full, q_tiles, do_tiles, ds_tiles),
             warp_specialized=config.warp_specialized,
             grid=(kv_steps,),
             in_specs=in_specs,
             compute_wgs=wgs,
             max_concurrent_steps=steps,
             compute_context=functools.partial(compute, b, h, first_row, q_tiles, do_tiles,
-                                              lse_tiles, delta_tiles, keys_tiles, barriers),
+                                              lse_tiles, delta_tiles, keys_tiles, spans_tiles,
+                                              barriers),
         )
         return run, gmem
 
@@ -416,7 +483,7 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
             run(*gmem, allocations=allocations)
 
     zero = jnp.int32(0)
-    example, example_gmem = pipeline(zero, zero, zero, (None,) * 7)
+    example, example_gmem = pipeline(zero, zero, zero, (None,) * 8)
     pl.run_scoped(
         scoped,
         example.get_allocations(*example_gmem),
@@ -425,25 +492,30 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
         plgpu.SMEM((wgs, bq), jnp.float32),
         plgpu.SMEM((wgs, bq), jnp.float32),
         None if keys_gmem is None else plgpu.SMEM((wgs, bq), jnp.int32),
+        plgpu.SMEM((wgs, 2, bq), jnp.int32) if spans else None,
         None if target.hardware else plgpu.SMEM((wgs, bq, bk), dtype, transforms=transforms),
-        plgpu.Barrier(num_barriers=(4 if keys_gmem is None else 5) * wgs),
+        # Q's, dO's, lse's, delta's copies (the dropout keys', the spans')
+        plgpu.Barrier(num_barriers=(4 + int(keys_gmem is not None) + int(spans)) * wgs),
         collective_axes=WARPGROUP_AXIS if config.warp_specialized else (),
     )
 
 
 def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: bool,
-                       config: BackwardConfig, interpret, dropout_p: float = 0.0):
+                       config: BackwardConfig, interpret, dropout_p: float = 0.0,
+                       spans: bool = False, softcap: float = 0.0):
     """(dq, dk, dv) of attention (kernels/attention_shapes.py): q (B, Hq, L,
     E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), o and do (B, Hq, L, Ev), lse (B,
     Hq, L) float32 as the forward returned it; `optional`: [mask (Bm, Hm, L,
-    S)][, dropout keys (B, Hq, L)]. dk, dv are summed over the query heads
+    S)][, spans (L, 2), key spans (S, 2) int32][, dropout keys (B, Hq, L)];
+    a softcap c > 0 as the forward's. dk, dv are summed over the query heads
     sharing each key/value head."""
     wgs = config.compute_wgs
     # Whole tiles of both kernels: dQ's query rows, dK/dV's keys.
     launch = attention_launch.prologue(
         "attention backward", q, k, v, optional, scale=scale, causal=causal,
         dropout_p=dropout_p, config=config, interpret=interpret,
-        row_tile=wgs * config.block_q, key_tile=wgs * config.block_kv)
+        row_tile=wgs * config.block_q, key_tile=wgs * config.block_kv, spans=spans,
+        softcap=softcap, backward=True)
     dims, lp, sp, e, ev = launch.dims, launch.lp, launch.sp, launch.e, launch.ev
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
     lse2 = pad_rows(lse.astype(jnp.float32) * LOG2E, lp, value=jnp.inf)  # padded rows: P = 0
@@ -484,11 +556,12 @@ def candidates(q_len: int, warp_specialized: bool = True) -> tuple[BackwardConfi
 
 
 def config_for(dtype, q_len: int, head_dim: int, value_dim: int, mask_dtype=None,
-               warp_specialized: bool = True, dropout: bool = False) -> BackwardConfig:
+               warp_specialized: bool = True, dropout: bool = False,
+               spans: bool = False) -> BackwardConfig:
     """The first candidate whose kernels both fit a Hopper block's shared memory."""
     return attention_launch.first_fitting("attention backward",
                                           candidates(q_len, warp_specialized), dtype, head_dim,
-                                          value_dim, mask_dtype, dropout)
+                                          value_dim, mask_dtype, dropout, spans)
 
 
 def select_config(backend: str, avals, params, device=None) -> BackwardConfig:

@@ -1,7 +1,8 @@
 """What the Hopper attention kernels (attention.py, attention_backward.py)
 share: the operands padded to whole blocks, the way each operand is staged
-for `wgmma` on the hardware and in the simulator, the visibility of scores
-(causal rule, padded keys), a tile's pipeline with or without warp
+for `wgmma` on the hardware and in the simulator, the scores' softcap and
+visibility (causal rule, padded keys, spans: `visible`, and the block range
+a tile's spans reach, `block_range`), a tile's pipeline with or without warp
 specialization (`tile_pipeline`), and the shared-memory budget.
 
 Staging (`Target`). On the hardware wgmma reads 16-bit operands either way,
@@ -129,12 +130,16 @@ def tile_transforms(dtype):
     return smem_transforms(dtype)
 
 
-def visible(s, target: Target, *, row0, col0, kv_len: int, causal: bool, ragged: bool):
+def visible(s, target: Target, *, row0, col0, kv_len: int, causal: bool, ragged: bool,
+            spans=None):
     """Scores s (rows, cols) of queries row0.. and keys col0.., -inf where a
     key is hidden: padding past kv_len (when `ragged`), or after the query
-    (when `causal`). Only a block that holds such keys pays for the test
-    (the last key block, the blocks on the diagonal)."""
-    if not (causal or ragged):
+    (when `causal`), or outside the rows' spans (`spans`, a `RowSpans`). Only
+    a block that holds such keys pays for the test (the last key block, the
+    blocks on the diagonal, the blocks on a span's edge)."""
+    if spans is not None:  # spans end at kv_len at most: they hide the padding too
+        ragged = False
+    if not (causal or ragged or spans is not None):
         return s
     rows, cols = s.shape
     partly_hidden = False
@@ -142,6 +147,8 @@ def visible(s, target: Target, *, row0, col0, kv_len: int, causal: bool, ragged:
         partly_hidden = col0 + cols > kv_len
     if causal:
         partly_hidden = jnp.logical_or(partly_hidden, col0 + cols - 1 > row0)
+    if spans is not None:
+        partly_hidden = jnp.logical_or(partly_hidden, spans.edge)
 
     def hide(s):
         col = target.tile(jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)) + col0
@@ -151,9 +158,60 @@ def visible(s, target: Target, *, row0, col0, kv_len: int, causal: bool, ragged:
         if causal:
             row = target.tile(jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)) + row0
             shown = (col <= row) if shown is None else (shown & (col <= row))
+        if spans is not None:
+            inside = spans.shown(col)
+            shown = inside if shown is None else (shown & inside)
         return jnp.where(shown, s, -jnp.inf)
 
     return jax.lax.cond(partly_hidden, hide, lambda s: s, s)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpans:
+    """The spans (kernels/attention_shapes.py) of a score tile's rows: their
+    starts and ends (wgmma row vectors, int32), and whether the tile may
+    straddle a span's edge (`edge`, a scalar; where it is False every key
+    of the tile is visible to every row, and no element mask is applied)."""
+
+    starts: object
+    ends: object
+    edge: object
+
+    def shown(self, col):
+        """Which of the (rows, cols) key indices `col` the rows see."""
+        starts = jax.lax.broadcast_in_dim(self.starts, col.shape, [0])
+        ends = jax.lax.broadcast_in_dim(self.ends, col.shape, [0])
+        return (col >= starts) & (col < ends)
+
+
+def block_range(spans_gmem, first, last, block: int):
+    """The blocks of `block` keys (or query rows) that rows (or keys)
+    first..last reach, from their spans (spans_gmem (2, n) int32 in GMEM:
+    starts, ends, both non-decreasing, so the reach is from the first one's
+    start to the last one's end): (first block, number of blocks), and
+    the range every one of them reaches, (full_from, full_to) (`straddles`)."""
+    start, end = spans_gmem[0, first], spans_gmem[1, last]
+    lo = start // block
+    steps = jnp.maximum((end + block - 1) // block - lo, 0)
+    return lo, steps, (spans_gmem[0, last], spans_gmem[1, first])
+
+
+def straddles(lo, hi, full):
+    """Whether a block [lo, hi) of keys (or rows) may hold one that some
+    span of the tile leaves out: it is not inside `full` = (full_from,
+    full_to)."""
+    full_from, full_to = full
+    return jnp.logical_or(lo < full_from, hi > full_to)
+
+
+def softcapped(s, *, scale: float, softcap: float):
+    """Raw scores S = Q Kᵀ in base 2: S * scale * log2 e, or with a softcap
+    c the capped c * tanh(S * scale / c) * log2 e; and tanh's value t (None
+    without a softcap), from which the backward's 1 - t² is taken."""
+    if not softcap:
+        return s * (scale * LOG2E), None
+    t = jnp.tanh(s * (scale / softcap))
+    return t * (softcap * LOG2E), t
 
 
 def dropout_factors(row_keys, target: Target, *, col0, shape, dropout_p: float):

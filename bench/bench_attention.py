@@ -88,3 +88,102 @@ def test_attention_forward_backward(benchmark, provider, shape, causal):
     assert all(g.isfinite().all() for g in grads)
     record(benchmark, provider, op="attention_fwd_bwd", dtype=DTYPE, shape=shape,
            work=3.5 * flops(shape, causal), unit="TFLOP/s")
+
+
+# --- packed sequences and sliding windows (pallas::varlen_attention) --------
+#
+# A padding-free batch: 8 causal sequences of 64 to 1024 tokens packed into
+# one row (about half the padded batch's rows are padding), against SDPA
+# on the padded batch (8, H, 1024, E), causal; and a 4096-token causal
+# window of 512 keys against the same op's full causal attention.
+
+if SMOKE:
+    PACKED_LENGTHS, HEADS, HEAD_DIM, WINDOW_TOKENS, WINDOW = [7, 19, 3], 2, 16, 64, 8
+else:
+    PACKED_LENGTHS, HEADS, HEAD_DIM = [1024, 130, 700, 64, 512, 300, 900, 400], 8, 64
+    WINDOW_TOKENS, WINDOW = 4096, 512
+PALLAS = next(p for p in providers() if p.kind == "pallas" and not p.simulated)
+
+
+def _packed_call(name: str, requires_grad: bool):
+    """(forward, leaves, the check of its output) of the padded batch on
+    SDPA ("torch-padded") or the packed one on varlen_attention."""
+    from torch_pallas.ops import varlen_attention as varlen_op
+
+    lengths, longest = PACKED_LENGTHS, max(PACKED_LENGTHS)
+    tokens = sum(lengths)
+    q, k, v = (torch.randn(tokens, HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+               for _ in range(3))
+    cu = varlen_op.random_sequences(lengths, DEVICE)
+    if name == "torch-padded":
+        padded = [torch.zeros(len(lengths), HEADS, longest, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+                  for _ in range(3)]
+        for t, src in zip(padded, (q, k, v)):
+            start = 0
+            for b, n in enumerate(lengths):
+                t[b, :, :n] = src[start:start + n].transpose(0, 1)
+                start += n
+        leaves = [t.requires_grad_(requires_grad) for t in padded]
+
+        def forward():
+            return torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+    else:
+        leaves = [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+        def forward():
+            return varlen_op.varlen_attention(*leaves, cu, cu, longest, longest,
+                                              window_size=(-1, 0))
+    return forward, leaves
+
+
+def _window_call(name: str, requires_grad: bool):
+    q, k, v = (torch.randn(1, HEADS, WINDOW_TOKENS, HEAD_DIM, device=DEVICE, dtype=DTYPE,
+                           requires_grad=requires_grad) for _ in range(3))
+    window = (WINDOW - 1, 0) if name == "window" else (-1, -1)
+
+    def forward():
+        return attention_op.attention(q, k, v, is_causal=True, window_size=window)
+    return forward, [q, k, v]
+
+
+def _timed(benchmark, forward, leaves, backward: bool):
+    if not backward:
+        return benchmark(forward)
+    out = forward()
+    grad = torch.randn_like(out)
+
+    def step():
+        grads = torch.autograd.grad(forward(), leaves, grad)
+        synchronize()
+        return grads
+
+    return benchmark(step)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])
+@pytest.mark.parametrize("name", ["torch-padded", "pallas-packed"])
+def test_packed_sequences(benchmark, name, backward):
+    forward, leaves = _packed_call(name, requires_grad=backward)
+    benchmark.group = f"packed {len(PACKED_LENGTHS)} sequences {'fwd_bwd' if backward else 'fwd'}"
+    result = _timed(benchmark, forward, leaves, backward)
+    assert all(t.isfinite().all() for t in (result if backward else [result]))
+    provider = providers()[0] if name == "torch-padded" else PALLAS
+    causal_flops = sum(attention_flops(AttentionDims(1, HEADS, HEADS, n, n, HEAD_DIM, HEAD_DIM),
+                                       True) for n in PACKED_LENGTHS)
+    record(benchmark, provider, op="varlen_attention" + ("_fwd_bwd" if backward else ""),
+           dtype=DTYPE, shape=[sum(PACKED_LENGTHS), HEADS, HEAD_DIM],
+           work=causal_flops * (3.5 if backward else 1), unit="TFLOP/s")
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])
+@pytest.mark.parametrize("name", ["full-causal", "window"])
+def test_sliding_window(benchmark, name, backward):
+    forward, leaves = _window_call(name, requires_grad=backward)
+    benchmark.group = f"window {WINDOW} of {WINDOW_TOKENS} {'fwd_bwd' if backward else 'fwd'}"
+    result = _timed(benchmark, forward, leaves, backward)
+    assert all(t.isfinite().all() for t in (result if backward else [result]))
+    keys = WINDOW if name == "window" else (WINDOW_TOKENS + 1) / 2
+    work = 4 * HEADS * WINDOW_TOKENS * keys * HEAD_DIM
+    record(benchmark, PALLAS, op=f"attention_{name}" + ("_fwd_bwd" if backward else ""),
+           dtype=DTYPE, shape=[1, HEADS, WINDOW_TOKENS, HEAD_DIM],
+           work=work * (3.5 if backward else 1), unit="TFLOP/s")

@@ -267,11 +267,11 @@ def test_no_hub_kernel_routes_around_the_rotary_patch():
             reference(input_ids=ids, attention_mask=mask)
 
 
-def test_gpt_oss_sinks_leave_the_attention_alone():
-    """gpt-oss passes its attention sinks (`s_aux`) to the attention
-    function, which the Pallas attention does not compute: apply leaves the
-    model's attention on its own implementation and says why, and the
-    patched model's logits are the unpatched model's."""
+def test_gpt_oss_attention_with_sinks_runs_on_pallas():
+    """gpt-oss passes its attention sinks (`s_aux`) and a sliding window to
+    the attention function: apply puts its attention on "pallas", which
+    computes both, and the patched model's logits are the unpatched
+    model's."""
     config = transformers.GptOssConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
@@ -283,17 +283,21 @@ def test_gpt_oss_sinks_leave_the_attention_alone():
             layer.self_attn.sinks.normal_()
     ours = copy.deepcopy(reference)
     report = torch_pallas.transformers.apply(ours)
-    assert report.attention == 0 and ours.config._attn_implementation == "eager"
-    assert any("self_attn (GptOssAttention): its attention passes s_aux=" in item
-               and "attention sinks" in item for item in report.left_alone), report.left_alone
+    assert report.attention == 2 and ours.config._attn_implementation == "pallas"
+    assert not any("keep their implementation" in item for item in report.left_alone), \
+        report.left_alone
     assert report.rms_norm == 5 and report.linear > 0
     ids, mask, _ = batch()
     reference.eval(), ours.eval()
     with torch.no_grad():
         expected = reference(input_ids=ids, attention_mask=mask).logits
         got = ours(input_ids=ids, attention_mask=mask).logits
+        unpadded = ids[mask.bool().all(-1)]  # rows without padding: no mask at all
+        expected_unpadded = reference(input_ids=unpadded).logits
+        got_unpadded = ours(input_ids=unpadded).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_unpadded, expected_unpadded, rtol=1e-5, atol=1e-5)
 
 
 class OffsetRMSNorm(torch.nn.Module):

@@ -179,10 +179,18 @@ def mistral_config(sliding_window):
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
-def test_a_binding_sliding_window_arrives_in_the_mask(padded):
-    """Mistral with a window of 5 over 13 tokens: the registered mask
-    function builds the window into the mask whenever it binds, so the
-    "pallas" logits are SDPA's (which gets the same mask)."""
+def test_a_binding_sliding_window(padded, monkeypatch):
+    """Mistral with a window of 5 over 13 tokens gives SDPA's logits:
+    padded, the mask carries the window; unpadded, the registered mask
+    function builds none and the attention applies the window itself."""
+    from torch_pallas.transformers import attention
+
+    masks = []
+    forward = attention.attention_forward
+    monkeypatch.setattr(attention, "attention_forward",
+                        lambda m, q, k, v, mask, *a, **kw: masks.append(mask) or forward(
+                            m, q, k, v, mask, *a, **kw))
+    attention.register()
     reference, ours = pair(lambda: mistral_config(5))
     ids, mask = left_padded_batch() if padded else (torch.randint(3, VOCAB, (2, 13)), None)
     with torch.no_grad():
@@ -190,6 +198,7 @@ def test_a_binding_sliding_window_arrives_in_the_mask(padded):
         got = ours(input_ids=ids, attention_mask=mask).logits
     real = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
     torch.testing.assert_close(got[real], expected[real], atol=1e-4, rtol=1e-4)
+    assert masks and all((m is None) != padded for m in masks), [type(m) for m in masks]
     # the window binds: without it the logits are others
     unwindowed = transformers.AutoModelForCausalLM.from_config(
         mistral_config(None), attn_implementation="sdpa").eval()
@@ -197,6 +206,8 @@ def test_a_binding_sliding_window_arrives_in_the_mask(padded):
     with torch.no_grad():
         other = unwindowed(input_ids=ids, attention_mask=mask).logits
     assert not torch.allclose(other[real], expected[real], atol=1e-3)
+    monkeypatch.undo()
+    attention.register()
 
 
 def test_what_the_attention_does_not_compute_raises_by_name():
@@ -207,22 +218,20 @@ def test_what_the_attention_does_not_compute_raises_by_name():
     module.is_causal = True
     forward = torch_pallas.transformers.attention_forward
     refused = {
-        "s_aux": dict(s_aux=torch.randn(4)),
-        "sinks": dict(sinks=torch.randn(4)),
-        "softcap": dict(softcap=50.0),
-        "sliding_window=3 over 6 keys": dict(sliding_window=3),
-        "cu_seq_lens_q of 2 packed sequences": dict(cu_seq_lens_q=torch.tensor([0, 2, 6]),
-                                                   cu_seq_lens_k=torch.tensor([0, 2, 6])),
+        "indices": dict(indices=torch.tensor([0, 2])),
+        "block_indices": dict(block_indices=torch.tensor([0])),
     }
     for what, kwargs in refused.items():
         with pytest.raises(ValueError, match=f"attn_implementation='pallas' does not support {what}"):
             forward(module, q, k, v, None, **kwargs)
+    with pytest.raises(ValueError, match="sliding_window=3 over 6 keys for 2 queries"):
+        forward(module, q[:, :, :2], k, v, None, sliding_window=3)
     # A window that does not bind, None values, one packed sequence: nothing changes.
     expected, _ = forward(module, q, k, v, None)
     for kwargs in (dict(sliding_window=6), dict(s_aux=None, softcap=None),
                    dict(cu_seq_lens_q=torch.tensor([0, 6]), cu_seq_lens_k=torch.tensor([0, 6]))):
         got, _ = forward(module, q, k, v, None, **kwargs)
-        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_an_older_transformers_is_refused_by_version(monkeypatch):

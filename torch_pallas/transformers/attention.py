@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 # torch.ops.pallas.attention's public function (its direct path on plain eager calls).
+from torch_pallas.ops import attention as pallas_ops
 from torch_pallas.ops.attention import attention as pallas_attention
 from torch_pallas.transformers import experts as pallas_experts
 
@@ -33,12 +34,9 @@ def require_transformers() -> None:
 
 
 # Keywords transformers 5 passes to an attention function that change its
-# result and that `pallas::attention` does not compute: refused by name (as
-# transformers' SDPA refuses softcap) rather than ignored.
+# result and that `pallas::attention` does not compute: refused by name
+# rather than ignored.
 UNSUPPORTED = {
-    "softcap": "logit soft-capping (Gemma 2)",
-    "s_aux": "attention sinks (gpt-oss)",
-    "sinks": "attention sinks",
     "indices": "a sparse selection of keys",
     "block_indices": "a sparse selection of key blocks",
 }
@@ -53,25 +51,31 @@ def unsupported(kwargs: dict) -> str | None:
     return None
 
 
-def _unmasked(kwargs: dict, key_length: int) -> str | None:
-    """What these keywords ask of a call without a mask that the Pallas
-    attention does not compute (None: nothing). A sliding window changes
-    nothing where it does not bind (no more keys than the window), and the
-    mask carries it where it does (transformers' SDPA mask, registered with
-    this attention, is built with the window whenever it binds); packed
-    sequences (`cu_seq_lens_*`) likewise need their mask."""
-    window = kwargs.get("sliding_window")
-    if window is not None and key_length > window:
-        return f"sliding_window={window} over {key_length} keys without a mask"
-    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        sequences = kwargs.get(name)
-        if sequences is not None and sequences.numel() > 2:
-            return f"{name} of {sequences.numel() - 1} packed sequences without a mask"
-    return None
-
-
 def _short(value) -> str:
     return f"<tensor of shape {tuple(value.shape)}>" if isinstance(value, torch.Tensor) else repr(value)
+
+
+def packed_sequences(query: torch.Tensor, kwargs: dict):
+    """(cu_seq_q, cu_seq_k) int32 of a padding-free batch (one row of packed
+    sequences): the `cu_seq_lens_*` transformers' flash-attention keywords
+    carry, or the starts of `position_ids` that restart (each position not
+    one past the previous, as transformers detects packing). None for an
+    unpacked batch."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is not None or cu_k is not None:
+        cu_q = cu_k if cu_q is None else cu_q
+        cu_k = cu_q if cu_k is None else cu_k
+        return cu_q.to(torch.int32), cu_k.to(torch.int32)
+    positions = kwargs.get("position_ids")
+    if positions is None or query.shape[0] != 1 or positions.shape[-1] != query.shape[2]:
+        return None
+    positions = positions.reshape(-1)
+    restarts = torch.nonzero(positions[1:] - positions[:-1] != 1).reshape(-1) + 1
+    if restarts.numel() == 0:
+        return None
+    ends = torch.cat([restarts, restarts.new_full((1,), positions.numel())])
+    cu = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+    return cu, cu
 
 
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -81,15 +85,20 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       **kwargs) -> tuple[torch.Tensor, None]:
     """An attention layer's computation, as transformers' interface calls it:
     query (B, H, L, D), key and value (B, Hkv, S, D); returns the output as
-    (B, L, H, Dv) and no attention weights. Raises ValueError, naming the
-    keyword, for what it does not compute (`UNSUPPORTED`, a sliding window
-    or packed sequences that reach it without their mask)."""
-    why = unsupported(kwargs) or (_unmasked(kwargs, key.shape[2]) if attention_mask is None
-                                  else None)
+    (B, L, H, Dv) and no attention weights.
+
+    It honours what transformers passes: `sliding_window=W` (query i sees
+    keys i - W + 1 .. i), `softcap` (Gemma 2's logit softcapping), `s_aux`
+    (gpt-oss's sinks) and, for a padding-free batch, `cu_seq_lens_q` /
+    `cu_seq_lens_k` or `position_ids` that restart: each packed sequence
+    attends to itself alone (`pallas_mask` leaves such batches without a
+    mask). Raises ValueError, naming the keyword, for what it does not
+    compute (`UNSUPPORTED`)."""
+    why = unsupported(kwargs)
     if why is not None:
         raise ValueError(f"torch_pallas.transformers: attn_implementation={NAME!r} does not "
                          f"support {why}; use 'eager'")
-    q_length = query.shape[2]
+    q_length, kv_length = query.shape[2], key.shape[2]
     # As transformers' SDPA path decides it: decoding (one query) and
     # explicit masks attend as the mask says.
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -100,9 +109,83 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         attention_mask = create_position_bias_mask(position_bias, attention_mask, is_causal,
                                                    query, key)
         is_causal = False
-    out = pallas_attention(query, key, value, attention_mask, float(dropout), bool(is_causal),
-                           scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap") or 0.0
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    # A mask carries the window where transformers built one (padding, a
+    # cache); without one the window is the attention's, aligned with the
+    # causal diagonal (the same top-left or bottom-right when L == S).
+    left = -1
+    if window is not None and attention_mask is None and kv_length > window:
+        if q_length != kv_length:
+            raise ValueError(f"torch_pallas.transformers: sliding_window={window} over "
+                             f"{kv_length} keys for {q_length} queries without a mask")
+        left = window - 1
+    packed = packed_sequences(query, kwargs) if attention_mask is None else None
+    gqa = key.shape[1] != query.shape[1]
+    if packed is not None:
+        if not is_causal:
+            raise ValueError("torch_pallas.transformers: packed sequences in a non-causal "
+                             "attention without a mask")
+        scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+        seed = pallas_ops.dropout_seed(query.device) if dropout > 0 else None
+        out, _ = torch.ops.pallas.attention_forward(
+            query, key, value, None, scale, False, float(dropout), seed, left, 0,
+            float(softcap), sinks, *packed, 0, 0)
+    else:
+        window_size = (left, 0 if left >= 0 else -1)
+        out = pallas_attention(query, key, value, attention_mask, float(dropout),
+                               bool(is_causal), scale=scaling, enable_gqa=gqa,
+                               window_size=window_size, softcap=float(softcap), sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+# --- the mask -------------------------------------------------------------------
+
+# transformers' mask functions that only say what the attention computes by
+# itself from its keywords: causality, a sliding window, packed sequences.
+_STRUCTURAL = ("causal_mask_function", "sliding_window_overlay.", "and_masks.",
+               "packed_sequence_mask_function.", "remap_positions_for_packed_sequence.",
+               "sliding_window_causal_mask_function.")
+
+
+def _structural(mask_function) -> bool:
+    """Whether `mask_function` composes only causality, a sliding window and
+    packed sequences (transformers' closures, walked through their cells)."""
+    name = getattr(mask_function, "__qualname__", "")
+    if not name.startswith(_STRUCTURAL):
+        return False
+    for cell in getattr(mask_function, "__closure__", None) or ():
+        contents = cell.cell_contents
+        parts = contents if isinstance(contents, tuple) else (contents,)
+        for part in parts:
+            if callable(part) and not isinstance(part, torch.Tensor) and not _structural(part):
+                return False
+    return True
+
+
+def pallas_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+                mask_function=None, attention_mask=None, local_size=None, **kwargs):
+    """The mask transformers builds for attn_implementation="pallas":
+    None, where the batch has no padding and no cache offset and the mask
+    would only say causal, sliding window or packed sequences (which the
+    attention applies itself from `sliding_window`, `position_ids` or
+    `cu_seq_lens_*`, building no (L, S) tensor); else transformers' SDPA
+    mask."""
+    from transformers import masking_utils
+
+    mask_function = masking_utils.causal_mask_function if mask_function is None else mask_function
+    if local_size is not None:
+        kwargs["local_size"] = local_size
+    fresh = (not isinstance(q_offset, torch.Tensor) and not isinstance(kv_offset, torch.Tensor)
+             and q_offset == 0 and kv_offset == 0 and q_length == kv_length)
+    if fresh and _structural(mask_function) and hasattr(masking_utils, "prepare_padding_mask"):
+        padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        if padding is None or bool(padding.all()):
+            return None
+    return masking_utils.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                   mask_function=mask_function, attention_mask=attention_mask,
+                                   **kwargs)
 
 
 def register() -> None:
@@ -111,8 +194,7 @@ def register() -> None:
     "pallas" (`experts.register`) (idempotent)."""
     require_transformers()
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
 
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, pallas_mask)
     pallas_experts.register()

@@ -77,6 +77,10 @@ traced before they existed):
   the query blocks a key block's key_spans reach (dk, dv), so the work is
   that of the keys attended, not of the L x S square; element masks apply
   where a block straddles a span's edge.
+- `span_width=w` among the params, with spans: no row's span is wider
+  than w keys (a sliding window's left + right + 1); a hint the kernels may
+  choose their blocks by (the batched TPU body takes a window's band in one
+  slab), never a promise they rely on for correctness.
 - `softcap=c` (c > 0) among the params: scores are capped before masking,
   s = c * tanh(scale * q.kᵀ / c) + mask (Gemma 2's logit softcapping). The
   backward multiplies the scores' gradient by 1 - tanh², computed from the

@@ -224,18 +224,30 @@ def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
 # --- the forward op --------------------------------------------------------
 
 def _params(scale: float, is_causal: bool, dropout_p: float = 0.0, spans: bool = False,
-            softcap: float = 0.0) -> dict:
-    """The kernels' static parameters; `dropout_p`, `spans` and `softcap`
-    only when used, so that a call without them is the same kernel as
-    ever."""
+            softcap: float = 0.0, span_width: int = 0) -> dict:
+    """The kernels' static parameters; `dropout_p`, `spans`, `softcap` and
+    `span_width` only when used, so that a call without them is the same
+    kernel as ever."""
     params = {"scale": float(scale), "causal": bool(is_causal)}
     if dropout_p > 0:
         params["dropout_p"] = float(dropout_p)
     if spans:
         params["spans"] = True
+        if span_width > 0:
+            params["span_width"] = int(span_width)
     if softcap > 0:
         params["softcap"] = float(softcap)
     return params
+
+
+def _span_width(is_causal: bool, window_left: int, window_right: int) -> int:
+    """The widest span a window allows (left + right + 1 keys, a causal rule
+    folded in), 0 where a side is unbounded."""
+    if is_causal:
+        window_right = 0 if window_right < 0 else min(window_right, 0)
+    if window_left < 0 or window_right < 0:
+        return 0
+    return window_left + window_right + 1
 
 
 # --- windows, packed sequences, softcap and sinks ---------------------------
@@ -369,7 +381,8 @@ def _forward_values(q, k, v, mask, scale, is_causal, dropout_p, seed, window_lef
     inputs = ((q, k, v) + (() if mask is None else (mask,)) + (() if spans is None else (spans,))
               + dropping)
     out, lse = launch.run("attention", q.device, inputs,
-                          _params(scale, causal, dropout_p, spans is not None, softcap))
+                          _params(scale, causal, dropout_p, spans is not None, softcap,
+                                  _span_width(is_causal, window_left, window_right)))
     return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
 
 
@@ -498,7 +511,8 @@ def backward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tables = () if spans is None else (spans, attention_spans.key_spans(spans, k.shape[2]))
     inputs = (q, k, v, out, grad_out, lse) + (() if mask is None else (mask,)) + tables + dropping
     return launch.run("attention_backward", q.device, inputs,
-                      _params(scale, causal, dropout_p, spans is not None, softcap))
+                      _params(scale, causal, dropout_p, spans is not None, softcap,
+                              _span_width(is_causal, window_left, window_right)))
 
 
 def _backward_flops(q_shape, k_shape, v_shape, *args, out_shape, **kwargs) -> int:

@@ -40,6 +40,7 @@ class Case:
     seed: torch.Tensor | None = None  # the dropout's, with dropout_p > 0
     spans: torch.Tensor | None = None  # (L, 2) int32: each row's [start, end) of keys
     softcap: float = 0.0  # > 0: scores capped, c * tanh(s / c)
+    span_width: int = 0  # > 0: the kernels' hint that no span is wider
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -82,6 +83,8 @@ class Case:
         params = dict(scale=self.scale, causal=self.causal)
         if self.spans is not None:
             params["spans"] = True
+            if self.span_width:
+                params["span_width"] = self.span_width
         if self.softcap > 0:
             params["softcap"] = self.softcap
         return params | ({"dropout_p": self.dropout_p} if self.dropout_p > 0 else {})
@@ -100,7 +103,8 @@ def make_case(b=2, hq=4, hkv=2, l=37, s=45, e=32, ev=None, dtype=torch.float32, 
     sequences [(Lq, Lk), ...]: packed sequences (b must be 1, l and s at
     least their sums; rows and keys past them unused), each with the window
     (default (-1, -1); causal: (left, 0)) aligned bottom-right.
-    softcap > 0: capped scores."""
+    softcap > 0: capped scores. With a window bounded on both sides, the
+    case carries its width as the kernels' span_width hint."""
     ev = e if ev is None else ev
 
     def randn(*shape):
@@ -129,7 +133,10 @@ def make_case(b=2, hq=4, hkv=2, l=37, s=45, e=32, ev=None, dtype=torch.float32, 
             cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
                           for n in zip(*sequences))
             spans = attention_spans.sequence_spans(cu_q, cu_k, l, left, right)
-    return Case(q, k, v, additive, causal, scale, dropout_p, seed, spans, softcap)
+    width = 0
+    if window is not None and window[0] >= 0 and right >= 0:
+        width = window[0] + right + 1
+    return Case(q, k, v, additive, causal, scale, dropout_p, seed, spans, softcap, width)
 
 
 def reference_mask(case: Case, dtype=torch.float64) -> torch.Tensor | None:

@@ -176,6 +176,30 @@ def test_interpret_spans_and_softcap(kw, blocks):
     check("interpret", make_case(**kw), config=SMALL if blocks == "small" else None)
 
 
+# A window's width as the kernels' span_width hint: select_config's slab
+# blocks (128 rows, each taking its band of keys at once), and where a
+# block's spans reach further than the slab (packed sequences whose
+# diagonals differ), the chunk loop instead.
+SLAB_CASES = {
+    "window_slab": dict(b=1, hq=4, hkv=2, l=300, s=300, window=(20, 0), causal=True),
+    "window_slab_softcap_dropout_bf16": dict(b=1, hq=2, hkv=2, l=260, s=290, window=(9, 3),
+                                             softcap=3.0, dropout_p=0.2,
+                                             dtype=torch.bfloat16),
+    "packed_blocks_past_the_slab": dict(b=1, hq=2, hkv=1, l=300, s=300,
+                                        sequences=[(150, 40), (150, 260)], window=(10, 0)),
+}
+
+
+@pytest.mark.parametrize("kw", SLAB_CASES.values(), ids=SLAB_CASES.keys())
+def test_interpret_window_slabs(kw):
+    case = make_case(**kw)
+    config = attention_blocks.select_config("interpret", attention_blocks.AttentionDims(
+        *case.q.shape[:2], case.k.shape[1], case.q.shape[2], case.k.shape[2],
+        case.q.shape[3], case.v.shape[3]), case.params)
+    assert 0 < config.slab < case.k.shape[2] and config.block_q == 128, config
+    check("interpret", case)
+
+
 def unreachable_blocks_poisoned(case, block: int = 16):
     """The case with NaN in every `block`-key block that no `block`-row
     query block's spans reach: finite, correct results prove the kernels

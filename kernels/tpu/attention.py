@@ -202,13 +202,17 @@ def _operands(lay, q, k, v, mask, keys, tables=()) -> list:
 
 
 def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dropout_p=0.0,
-                   spans=False, softcap=0.0):
+                   spans=False, softcap=0.0, slab=0):
     """q_hbm (B, Hkv, G, Lp, E), k_hbm (B, Hkv, Sp, E), v_hbm (B, Hkv, Sp, Ev),
     an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp), with spans the rows'
     spans (Lp, 2) and the query blocks' key chunks (2, Lp / bq), with
     dropout the rows' keys (B, Hkv, G, Lp) int32; outputs o (B, Hkv, G, Lp,
     Ev) and lse (B, Hkv, G, Lp). Blocks are read straight from the operands
-    (the generic interpreter's refs are arrays)."""
+    (the generic interpreter's refs are arrays). `slab` > 0 (with spans): a
+    query block whose spans reach at most that many keys takes them in one
+    slab from its first row's start, a plain softmax (a sliding window's
+    band: no chunk loop, and only the band's width past the block's rows
+    computed); wider blocks take the chunks."""
     *ins, o_hbm, lse_hbm = refs
     mask_hbm, spans_hbm, table_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, kv_heads, _, lp, _ = q_hbm.shape
@@ -260,14 +264,16 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dr
                 s = s.reshape(flat, g * bq, n)
             return s, v
 
-        if ck >= sp and spans_hbm is None:  # every key at once: a plain softmax
-            s, v = keys(0, sp)
+        def softmax(c0, n):
+            """(m, l, acc) of the keys c0 .. c0 + n at once: a plain softmax."""
+            s, v = keys(c0, n)
             m = s.max(axis=-1, keepdims=True)
             m = jnp.where(m == -jnp.inf, 0.0, m)
             p = jnp.exp(s - m)
-            l = p.sum(axis=-1, keepdims=True)
-            acc = product(weights(p, 0), v, (2, 1))
-        else:  # key chunks, online softmax
+            return m, p.sum(axis=-1, keepdims=True), product(weights(p, c0), v, (2, 1))
+
+        def online_softmax():
+            """(m, l, acc) over the key chunks the block may see."""
             first, chunks = 0, sp // ck
             if causal:  # the chunks holding a key some row of the block sees
                 chunks = jnp.minimum(chunks, (qi * bq + bq + ck - 1) // ck)
@@ -288,7 +294,15 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dr
             init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
                     jnp.zeros((flat, g * bq, v_hbm.shape[-1]), jnp.float32))
             m, l, acc = jax.lax.fori_loop(first, chunks, step, init)
-            m = jnp.where(m == -jnp.inf, 0.0, m)
+            return jnp.where(m == -jnp.inf, 0.0, m), l, acc
+
+        if ck >= sp and spans_hbm is None:  # every key at once
+            m, l, acc = softmax(0, sp)
+        elif slab:  # the block's keys in one slab where they fit (a window's band)
+            start, fits = blocks_.slab_start(spans_hbm, qi * bq, bq, slab, sp)
+            m, l, acc = jax.lax.cond(fits, lambda: softmax(start, slab), online_softmax)
+        else:
+            m, l, acc = online_softmax()
         empty = l == 0.0
         o = jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, l))
         o_hbm[rows] = o.reshape(bb, bh, g, bq, -1).astype(o_hbm.dtype)
@@ -317,7 +331,8 @@ def batched_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p, s
         functools.partial(batched_kernel, blocks=blocks, scale=scale, causal=causal,
                           kv_len=dims.kv_len, **dropout_param(dropout_p),
                           **softcap_param(softcap),
-                          **({"spans": True} if spans is not None else {})),
+                          **({"spans": True, "slab": blocks_.slab(config, lay)}
+                             if spans is not None else {})),
         out_type=(lay.row_type(lay.ev, q.dtype), lay.row_type(None, jnp.float32)),
         mesh=tensorcore_mesh(num_cores),
         interpret=interpret,
@@ -331,7 +346,7 @@ def batched_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p, s
 
 def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionConfig,
               interpret, num_cores: int, dropout_p: float = 0.0, spans: bool = False,
-              softcap: float = 0.0):
+              softcap: float = 0.0, span_width: int = 0):
     """(o, lse) of softmax(scale * q kᵀ + mask [+ causal]) v, per
     kernels/attention_shapes.py; `optional`: [mask][, spans][, dropout keys]."""
     extra = attention_operands(optional, {"spans": spans, "dropout_p": dropout_p})

@@ -318,12 +318,12 @@ def _results(lay, dq, dk, dv):
 
 
 def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, blocks, scale,
-                   causal, kv_len, dropout_p=0.0, spans=False, softcap=0.0):
+                   causal, kv_len, dropout_p=0.0, spans=False, softcap=0.0, slab=0):
     """q and do (B, Hkv, G, Lp, E / Ev), k and v (B, Hkv, Sp, E / Ev), lse and
     delta (B, Hkv, G, Lp), an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp),
     with spans the rows' spans (Lp, 2) and each query block's key chunks
     (2, Lp / bq), with dropout the rows' keys (B, Hkv, G, Lp) int32; outputs
-    dq like q, dk and dv like k and v."""
+    dq like q, dk and dv like k and v; `slab` as the forward's."""
     *ins, dq_hbm, dk_hbm, dv_hbm = refs
     mask_hbm, spans_hbm, table_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, kv_heads, _, lp, _ = q_hbm.shape
@@ -374,25 +374,37 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
                 dq_hbm[rows] = dq.astype(dq_hbm.dtype)
                 return dk_dv[0] + dk_t, dk_dv[1] + dv_t
 
-            def chunk(c, carry):
-                dq, dk_all, dv_all = carry
-                c0 = c * ck
-                dq_c, dk_c, dv_c = grads(qi, c0, ck, q, do, lse, delta, row_keys, row_spans)
+            def add(total, part, c0):
+                start = (0, 0, 0, c0)
+                old = jax.lax.dynamic_slice(total, start, part.shape)
+                return jax.lax.dynamic_update_slice(total, old + part, start)
 
-                def add(total, part):
-                    start = (0, 0, 0, c0)
-                    old = jax.lax.dynamic_slice(total, start, part.shape)
-                    return jax.lax.dynamic_update_slice(total, old + part, start)
+            def chunks_loop():
+                def chunk(c, carry):
+                    dq, dk_all, dv_all = carry
+                    c0 = c * ck
+                    dq_c, dk_c, dv_c = grads(qi, c0, ck, q, do, lse, delta, row_keys, row_spans)
+                    return dq + dq_c, add(dk_all, dk_c, c0), add(dv_all, dv_c, c0)
 
-                return dq + dq_c, add(dk_all, dk_c), add(dv_all, dv_c)
+                first, chunks = 0, nk
+                if causal:  # the chunks holding a key some row of the block sees
+                    chunks = jnp.minimum(nk, (qi * bq + bq + ck - 1) // ck)
+                if table_hbm is not None:  # the chunks the block's spans reach
+                    first, chunks = table_hbm[0, qi], table_hbm[1, qi]
+                return jax.lax.fori_loop(first, chunks, chunk,
+                                         (jnp.zeros(q.shape, jnp.float32), *dk_dv))
 
-            first, chunks = 0, nk
-            if causal:  # the chunks holding a key some row of the block sees
-                chunks = jnp.minimum(nk, (qi * bq + bq + ck - 1) // ck)
-            if table_hbm is not None:  # the chunks the block's spans reach
-                first, chunks = table_hbm[0, qi], table_hbm[1, qi]
-            dq, dk_t, dv_t = jax.lax.fori_loop(first, chunks, chunk,
-                                               (jnp.zeros(q.shape, jnp.float32), *dk_dv))
+            if slab:  # the block's keys in one slab where they fit (a window's band)
+                start, fits = blocks_.slab_start(spans_hbm, qi * bq, bq, slab, sp)
+
+                def one_slab():
+                    dq, dk_s, dv_s = grads(qi, start, slab, q, do, lse, delta, row_keys,
+                                           row_spans)
+                    return dq, add(dk_dv[0], dk_s, start), add(dk_dv[1], dv_s, start)
+
+                dq, dk_t, dv_t = jax.lax.cond(fits, one_slab, chunks_loop)
+            else:
+                dq, dk_t, dv_t = chunks_loop()
             dq_hbm[rows] = dq.astype(dq_hbm.dtype)
             return dk_t, dv_t
 
@@ -427,7 +439,8 @@ def batched_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *, s
         functools.partial(batched_kernel, blocks=blocks, scale=scale, causal=causal,
                           kv_len=dims.kv_len, **dropout_param(dropout_p),
                           **softcap_param(softcap),
-                          **({"spans": True} if spans is not None else {})),
+                          **({"spans": True, "slab": blocks_.slab(config, lay)}
+                             if spans is not None else {})),
         out_type=(lay.row_type(lay.e, q.dtype), lay.kv_type(lay.e, q.dtype),
                   lay.kv_type(lay.ev, q.dtype)),
         mesh=tensorcore_mesh(num_cores),
@@ -442,7 +455,8 @@ def batched_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *, s
 
 def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: bool,
                        config: AttentionConfig, interpret, num_cores: int,
-                       dropout_p: float = 0.0, spans: bool = False, softcap: float = 0.0):
+                       dropout_p: float = 0.0, spans: bool = False, softcap: float = 0.0,
+                       span_width: int = 0):
     """(dq, dk, dv) of the forward's o = attention(q, k, v, mask) given do,
     per kernels/attention_shapes.py; `o` and `lse` are what the forward
     returned; `optional`: [mask][, spans, key_spans][, dropout keys]."""

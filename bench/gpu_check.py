@@ -15,6 +15,9 @@ mosaic_gpu backend), meant to finish in a few minutes and need no network:
    every gradient against float64, ragged, GQA, causal, masks), then timed
    at bfloat16, head dim 128, sequence 4096 and 8192, causal and not,
    forward and forward+backward, against torch's SDPA on its flash backend;
+   then varlen_attention on 16 packed causal sequences and a 32768-token
+   window of 4096 against torch's varlen_attn (FlashAttention 2 and its
+   window), in milliseconds;
 5. every registered op's example calls (the training ops' forward and
    backward ops included) on each backend against their float64
    references, then the training ops' benchmark suites (rms_norm,
@@ -374,6 +377,52 @@ def time_attention(quick: bool) -> list[tuple]:
     return rows
 
 
+def time_varlen(quick: bool) -> list[tuple]:
+    """Packed sequences and a sliding window, bfloat16: torch's `varlen_attn`
+    (FlashAttention 2, its window included) against `varlen_attention` on
+    each GPU backend, forward and forward+backward, in milliseconds."""
+    import triton.testing
+    from torch.nn.attention.varlen import varlen_attn
+
+    import torch_pallas
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(512, 8192, (16,), generator=generator).tolist()
+    cases = [("16 packed causal", lengths, (-1, 0))]
+    if not quick:
+        cases.append(("32768 tokens window 4096", [32768], (4095, 0)))
+    rows = []
+    for label, lengths, window in cases:
+        tokens, longest = sum(lengths), max(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                          device="cuda")
+        q, k, v = (torch.randn(tokens, 16, 128, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        grad = torch.randn_like(q)
+
+        def torch_varlen(q, k, v):
+            return varlen_attn(q, k, v, cu, cu, longest, longest, window_size=window)
+
+        providers = [("torch varlen_attn", torch_varlen)]
+        for backend in gpu_backends():
+            def pallas(q, k, v, backend=backend):
+                with torch_pallas.backend(backend):
+                    return torch_pallas.varlen_attention(q, k, v, cu, cu, longest, longest,
+                                                         window_size=window)
+            providers.append((f"pallas[{backend}]", pallas))
+        times = {}
+        for name, fn in providers:
+            fn(q, k, v)
+            fwd = triton.testing.do_bench(lambda: fn(q, k, v), return_mode="median")
+            both = triton.testing.do_bench(
+                lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad), return_mode="median")
+            times[name] = (fwd, both)
+        base = times["torch varlen_attn"]
+        for name, (fwd, both) in times.items():
+            rows.append((label, name, fwd, base[0] / fwd, both, base[1] / both))
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="skip the 8192^3 timing")
@@ -396,6 +445,7 @@ def main(argv=None) -> int:
     run_gpu_tests(failures)
     rows = time_matmuls(args.quick, args.tune)
     attention_rows = time_attention(args.quick)
+    varlen_rows = time_varlen(args.quick)
     run_training_benchmarks(failures, args.quick)
 
     print(f"\nmatmul, median of triton.testing.do_bench ({time.time() - start:.0f} s in all)")
@@ -407,6 +457,11 @@ def main(argv=None) -> int:
           f"{'fwd+bwd TFLOP/s':>15} {'x torch':>8}")
     for shape, name, fwd, fwd_ratio, both, both_ratio in attention_rows:
         print(f"{shape:<22} {name:<20} {fwd:11.1f} {fwd_ratio:8.2f} {both:15.1f} {both_ratio:8.2f}")
+    print("\nvarlen_attention, bfloat16, 16 heads of 128, median of triton.testing.do_bench")
+    print(f"{'case':<26} {'provider':<20} {'fwd ms':>8} {'x torch':>8} {'fwd+bwd ms':>11} "
+          f"{'x torch':>8}")
+    for label, name, fwd, fwd_ratio, both, both_ratio in varlen_rows:
+        print(f"{label:<26} {name:<20} {fwd:8.2f} {fwd_ratio:8.2f} {both:11.2f} {both_ratio:8.2f}")
     if failures:
         print(f"\n{len(failures)} WRONG:", *failures, sep="\n  ")
         return 1

@@ -92,8 +92,12 @@ def kernel_calls(info) -> list[tuple[tuple, dict]]:
     calls = []
     real = launch.compiled_kernel
 
+    from torch_pallas.runtime import registry
+
     def recording(op, device, inputs=(), params=None, *rest):
-        if op == info.name:  # not the other ops an example calls to build its inputs
+        # The op's own kernels (varlen_attention's are attention's), not the
+        # other ops an example calls to build its inputs.
+        if op == info.name or registry.get(op).kernels == info.kernels:
             calls.append((tuple((tuple(t.shape), str(t.dtype).removeprefix("torch."))
                                 for t in inputs), dict(params or {})))
         return real(op, device, inputs, params, *rest)

@@ -194,6 +194,22 @@ def span_arguments(spans, q, softcap: float) -> tuple:
 
 
 @triton.jit
+def row_spans_walk(spans_ptr, offs_m, row_ok, m0, L, stride_sl, stride_sc,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A query block's walk over the keys its rows' spans reach
+    (non-decreasing spans): (each row's [row_lo, row_hi), the block's
+    [first, last), the walk's first key `lo` (the start of the key block
+    holding `first`) and end `hi` (`lo` itself when the range is empty))."""
+    row_lo = tl.load(spans_ptr + offs_m * stride_sl, mask=row_ok, other=0)
+    row_hi = tl.load(spans_ptr + offs_m * stride_sl + stride_sc, mask=row_ok, other=0)
+    first = tl.load(spans_ptr + m0 * stride_sl)
+    last = tl.load(spans_ptr + (tl.minimum(m0 + BLOCK_M, L) - 1) * stride_sl + stride_sc)
+    lo = (first // BLOCK_N) * BLOCK_N
+    hi = tl.where(last > first, last, lo)
+    return row_lo, row_hi, first, last, lo, hi
+
+
+@triton.jit
 def softcap_tanh(x):
     """tanh(x) in float32 from exp2: (1 - e) / (1 + e) with e = exp(-2|x|)
     (never overflows; ±1 where e underflows), signed as x."""
@@ -275,12 +291,8 @@ def attention_kernel(
         # The block's rows see keys in [first, last) only (non-decreasing
         # spans): walk the key blocks from the one holding `first`, none if
         # the range is empty; each row's own span masks inside them.
-        row_lo = tl.load(spans_ptr + offs_m * stride_sl, mask=row_ok, other=0)
-        row_hi = tl.load(spans_ptr + offs_m * stride_sl + stride_sc, mask=row_ok, other=0)
-        first = tl.load(spans_ptr + m0 * stride_sl)
-        last = tl.load(spans_ptr + (tl.minimum(m0 + BLOCK_M, L) - 1) * stride_sl + stride_sc)
-        lo = (first // BLOCK_N) * BLOCK_N
-        hi = tl.where(last > first, last, lo)
+        row_lo, row_hi, first, last, lo, hi = row_spans_walk(
+            spans_ptr, offs_m, row_ok, m0, L, stride_sl, stride_sc, BLOCK_M, BLOCK_N)
         kt_ptrs += lo.to(tl.int64) * stride_ks
         v_ptrs += lo.to(tl.int64) * stride_vs
         if HAS_MASK:

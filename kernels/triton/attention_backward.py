@@ -71,6 +71,7 @@ from torch_pallas.kernels.triton.attention import (
     launch,
     mask_arguments,
     round_to_bfloat16,
+    row_spans_walk,
     size_arguments,
     softcap_tanh,
     span_arguments,
@@ -197,10 +198,9 @@ def attention_dkdv_kernel(
     if HAS_SPANS:
         # Each key's rows [col_lo, col_hi); the block's keys are seen by rows
         # in [first, last) only (non-decreasing key spans).
-        col_lo = tl.load(key_spans_ptr + offs_n * stride_tl, mask=key_ok, other=0)
-        col_hi = tl.load(key_spans_ptr + offs_n * stride_tl + stride_tc, mask=key_ok, other=0)
-        first = tl.load(key_spans_ptr + n0 * stride_tl)
-        last = tl.load(key_spans_ptr + (tl.minimum(n0 + BLOCK_N, S) - 1) * stride_tl + stride_tc)
+        # (the forward's walk over the transposed spans: key blocks' rows)
+        col_lo, col_hi, first, last, span_lo, span_hi = row_spans_walk(
+            key_spans_ptr, offs_n, key_ok, n0, S, stride_tl, stride_tc, BLOCK_N, BLOCK_M)
         load_ok = col_lo < col_hi  # a key no row sees is not read: its dk, dv are 0
     k = tl.load(k_ptr + b * stride_kb + hkv * stride_kh
                 + offs_n[:, None] * stride_ks + offs_e[None, :] * stride_ke,
@@ -220,8 +220,8 @@ def attention_dkdv_kernel(
     lo = 0
     hi = L
     if HAS_SPANS:  # the query blocks from the one holding `first`, none if empty
-        lo = (first // BLOCK_M) * BLOCK_M
-        hi = tl.where(last > first, last, lo)
+        lo = span_lo
+        hi = span_hi
     if CAUSAL:  # queries before the block's first key see none of its keys
         if HAS_SPANS:
             lo = tl.maximum(lo, n0)
@@ -371,12 +371,8 @@ def attention_dq_kernel(
     lo = 0
     hi = S
     if HAS_SPANS:  # the forward's walk: the key blocks of [first, last)
-        row_lo = tl.load(spans_ptr + offs_m * stride_sl, mask=row_ok, other=0)
-        row_hi = tl.load(spans_ptr + offs_m * stride_sl + stride_sc, mask=row_ok, other=0)
-        first = tl.load(spans_ptr + m0 * stride_sl)
-        last = tl.load(spans_ptr + (tl.minimum(m0 + BLOCK_M, L) - 1) * stride_sl + stride_sc)
-        lo = (first // BLOCK_N) * BLOCK_N
-        hi = tl.where(last > first, last, lo)
+        row_lo, row_hi, first, last, lo, hi = row_spans_walk(
+            spans_ptr, offs_m, row_ok, m0, L, stride_sl, stride_sc, BLOCK_M, BLOCK_N)
         kt_ptrs += lo.to(tl.int64) * stride_ks
         vt_ptrs += lo.to(tl.int64) * stride_vs
         if HAS_MASK:

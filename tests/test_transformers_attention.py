@@ -1,5 +1,5 @@
 """transformers' attention on "pallas" for today's models: sliding windows
-(Mistral, Qwen2, Gemma 2 and 3, gpt-oss), Gemma 2's softcap, gpt-oss's
+(Mistral, Qwen2 and 3, Gemma 2 and 3, gpt-oss), Gemma 2's softcap, gpt-oss's
 sinks, and padding-free batches (DataCollatorWithFlattening, with the
 flash-attention keywords or position ids only): logits, training loss and
 every gradient against the same model on "eager"; a packed batch's
@@ -26,6 +26,8 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden
 FAMILIES = {
     "mistral": ("mistral", dict(sliding_window=5)),
     "qwen2": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    # Qwen3: per-head q and k RMSNorms before the rotary embedding
+    "qwen3": ("qwen3", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
     "gemma2": ("gemma2", dict(sliding_window=5, attn_logit_softcapping=7.0,
                               final_logit_softcapping=None)),
     "gemma3": ("gemma3_text", dict(sliding_window=5, sliding_window_pattern=2)),
@@ -149,6 +151,8 @@ def test_apply_puts_each_family_on_pallas(family):
     report = torch_pallas.transformers.apply(ours)
     assert report.attention == 2 and ours.config._attn_implementation == "pallas"
     assert report.rms_norm > 0
+    if family == "qwen3":  # the per-head q and k norms too: 2 a layer, and 2 + 1 more
+        assert report.rms_norm == 2 * 4 + 1, report
     assert all(": " in item for item in report.left_alone), report.left_alone
     ids = torch.randint(3, VOCAB, (2, 13))
     reference.eval(), ours.eval()

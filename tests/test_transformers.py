@@ -6,6 +6,7 @@ built from configs."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import pytest
@@ -182,7 +183,11 @@ def mistral_config(sliding_window):
 def test_a_binding_sliding_window(padded, monkeypatch):
     """Mistral with a window of 5 over 13 tokens gives SDPA's logits:
     padded, the mask carries the window; unpadded, the registered mask
-    function builds none and the attention applies the window itself."""
+    function builds none and the attention applies the window itself
+    (transformers 5.x; 4.x, whose mask interface takes `cache_position`,
+    gets SDPA's band mask)."""
+    from transformers import masking_utils
+
     from torch_pallas.transformers import attention
 
     masks = []
@@ -198,7 +203,8 @@ def test_a_binding_sliding_window(padded, monkeypatch):
         got = ours(input_ids=ids, attention_mask=mask).logits
     real = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
     torch.testing.assert_close(got[real], expected[real], atol=1e-4, rtol=1e-4)
-    assert masks and all((m is None) != padded for m in masks), [type(m) for m in masks]
+    mask_free = not padded and "q_length" in inspect.signature(masking_utils.sdpa_mask).parameters
+    assert masks and all((m is None) == mask_free for m in masks), [type(m) for m in masks]
     # the window binds: without it the logits are others
     unwindowed = transformers.AutoModelForCausalLM.from_config(
         mistral_config(None), attn_implementation="sdpa").eval()

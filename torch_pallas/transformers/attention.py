@@ -164,28 +164,34 @@ def _structural(mask_function) -> bool:
     return True
 
 
-def pallas_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
-                mask_function=None, attention_mask=None, local_size=None, **kwargs):
+def pallas_mask(*args, **kwargs):
     """The mask transformers builds for attn_implementation="pallas":
     None, where the batch has no padding and no cache offset and the mask
     would only say causal, sliding window or packed sequences (which the
     attention applies itself from `sliding_window`, `position_ids` or
     `cu_seq_lens_*`, building no (L, S) tensor); else transformers' SDPA
-    mask."""
+    mask, built from the very arguments transformers passed.
+
+    transformers 5.x calls it with keywords `batch_size`, `q_length`,
+    `kv_length`, `q_offset`, `kv_offset`, `mask_function`, `attention_mask`;
+    4.x with `cache_position` in place of the lengths and offsets: there the
+    SDPA mask is used as is."""
     from transformers import masking_utils
 
-    mask_function = masking_utils.causal_mask_function if mask_function is None else mask_function
-    if local_size is not None:
-        kwargs["local_size"] = local_size
+    if args or "q_length" not in kwargs:
+        return masking_utils.sdpa_mask(*args, **kwargs)
+    q_length, kv_length = kwargs["q_length"], kwargs["kv_length"]
+    q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+    mask_function = kwargs.get("mask_function") or masking_utils.causal_mask_function
+    kwargs["mask_function"] = mask_function
     fresh = (not isinstance(q_offset, torch.Tensor) and not isinstance(kv_offset, torch.Tensor)
              and q_offset == 0 and kv_offset == 0 and q_length == kv_length)
-    if fresh and _structural(mask_function) and hasattr(masking_utils, "prepare_padding_mask"):
-        padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if fresh and _structural(mask_function):
+        padding = masking_utils.prepare_padding_mask(kwargs.get("attention_mask"), kv_length,
+                                                     kv_offset)
         if padding is None or bool(padding.all()):
             return None
-    return masking_utils.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
-                                   mask_function=mask_function, attention_mask=attention_mask,
-                                   **kwargs)
+    return masking_utils.sdpa_mask(**kwargs)
 
 
 def register() -> None:

@@ -196,8 +196,24 @@ def test_interpret_window_slabs(kw):
     config = attention_blocks.select_config("interpret", attention_blocks.AttentionDims(
         *case.q.shape[:2], case.k.shape[1], case.q.shape[2], case.k.shape[2],
         case.q.shape[3], case.v.shape[3]), case.params)
-    assert 0 < config.slab < case.k.shape[2] and config.block_q == 128, config
+    assert 0 < config.slabs[0] < case.k.shape[2] and config.block_q == 128, config
     check("interpret", case)
+
+
+def test_interpret_packed_slab_ladder(monkeypatch):
+    """Packed sequences without a window: select_config's ladder of slabs,
+    each query block taking the narrowest that holds its keys, and, with
+    the ladder capped below the longest sequence, the chunk loop for the
+    blocks that reach further; causal and not, GQA, softcap."""
+    monkeypatch.setattr(attention_blocks, "PACKED_SLAB_MOST", 100)
+    for causal in (True, False):
+        case = make_case(b=1, hq=4, hkv=2, l=290, s=300, causal=causal, softcap=4.0,
+                         sequences=[(30, 20), (200, 210), (0, 5), (60, 65)])
+        config = attention_blocks.select_config("interpret", attention_blocks.AttentionDims(
+            *case.q.shape[:2], case.k.shape[1], case.q.shape[2], case.k.shape[2],
+            case.q.shape[3], case.v.shape[3]), case.params)
+        assert len(config.slabs) >= 2 and config.slabs[-1] < 200, config
+        check("interpret", case)
 
 
 def unreachable_blocks_poisoned(case, block: int = 16):

@@ -202,17 +202,18 @@ def _operands(lay, q, k, v, mask, keys, tables=()) -> list:
 
 
 def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dropout_p=0.0,
-                   spans=False, softcap=0.0, slab=0):
+                   spans=False, softcap=0.0, slabs=()):
     """q_hbm (B, Hkv, G, Lp, E), k_hbm (B, Hkv, Sp, E), v_hbm (B, Hkv, Sp, Ev),
     an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp), with spans the rows'
     spans (Lp, 2) and the query blocks' key chunks (2, Lp / bq), with
     dropout the rows' keys (B, Hkv, G, Lp) int32; outputs o (B, Hkv, G, Lp,
     Ev) and lse (B, Hkv, G, Lp). Blocks are read straight from the operands
-    (the generic interpreter's refs are arrays). `slab` > 0 (with spans): a
-    query block whose spans reach at most that many keys takes them in one
-    slab from its first row's start, a plain softmax (a sliding window's
-    band: no chunk loop, and only the band's width past the block's rows
-    computed); wider blocks take the chunks."""
+    (the generic interpreter's refs are arrays). `slabs` (with spans): key
+    counts, narrowest first; a query block takes its keys in the narrowest
+    slab that holds its spans, from its first row's start, a plain softmax
+    (a sliding window's band, a packed sequence's rows: no chunk loop, and
+    only the keys the rows reach, rounded up to a slab, computed); blocks
+    that reach further take the chunks."""
     *ins, o_hbm, lse_hbm = refs
     mask_hbm, spans_hbm, table_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, kv_heads, _, lp, _ = q_hbm.shape
@@ -298,9 +299,11 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dr
 
         if ck >= sp and spans_hbm is None:  # every key at once
             m, l, acc = softmax(0, sp)
-        elif slab:  # the block's keys in one slab where they fit (a window's band)
-            start, fits = blocks_.slab_start(spans_hbm, qi * bq, bq, slab, sp)
-            m, l, acc = jax.lax.cond(fits, lambda: softmax(start, slab), online_softmax)
+        elif slabs:  # the block's keys in the narrowest slab that holds them
+            branch, starts = blocks_.slab_choice(spans_hbm, qi * bq, bq, slabs, sp)
+            m, l, acc = jax.lax.switch(branch, [
+                *(functools.partial(softmax, start, w) for start, w in zip(starts, slabs)),
+                online_softmax])
         else:
             m, l, acc = online_softmax()
         empty = l == 0.0
@@ -331,7 +334,7 @@ def batched_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p, s
         functools.partial(batched_kernel, blocks=blocks, scale=scale, causal=causal,
                           kv_len=dims.kv_len, **dropout_param(dropout_p),
                           **softcap_param(softcap),
-                          **({"spans": True, "slab": blocks_.slab(config, lay)}
+                          **({"spans": True, "slabs": blocks_.slabs(config, lay)}
                              if spans is not None else {})),
         out_type=(lay.row_type(lay.ev, q.dtype), lay.row_type(None, jnp.float32)),
         mesh=tensorcore_mesh(num_cores),

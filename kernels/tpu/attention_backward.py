@@ -318,12 +318,12 @@ def _results(lay, dq, dk, dv):
 
 
 def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, blocks, scale,
-                   causal, kv_len, dropout_p=0.0, spans=False, softcap=0.0, slab=0):
+                   causal, kv_len, dropout_p=0.0, spans=False, softcap=0.0, slabs=()):
     """q and do (B, Hkv, G, Lp, E / Ev), k and v (B, Hkv, Sp, E / Ev), lse and
     delta (B, Hkv, G, Lp), an optional mask (Bm, Hkv or 1, G or 1, Lp, Sp),
     with spans the rows' spans (Lp, 2) and each query block's key chunks
     (2, Lp / bq), with dropout the rows' keys (B, Hkv, G, Lp) int32; outputs
-    dq like q, dk and dv like k and v; `slab` as the forward's."""
+    dq like q, dk and dv like k and v; `slabs` as the forward's."""
     *ins, dq_hbm, dk_hbm, dv_hbm = refs
     mask_hbm, spans_hbm, table_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, kv_heads, _, lp, _ = q_hbm.shape
@@ -394,15 +394,17 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
                 return jax.lax.fori_loop(first, chunks, chunk,
                                          (jnp.zeros(q.shape, jnp.float32), *dk_dv))
 
-            if slab:  # the block's keys in one slab where they fit (a window's band)
-                start, fits = blocks_.slab_start(spans_hbm, qi * bq, bq, slab, sp)
+            if slabs:  # the block's keys in the narrowest slab that holds them
+                branch, starts = blocks_.slab_choice(spans_hbm, qi * bq, bq, slabs, sp)
 
-                def one_slab():
-                    dq, dk_s, dv_s = grads(qi, start, slab, q, do, lse, delta, row_keys,
+                def one_slab(start, width):
+                    dq, dk_s, dv_s = grads(qi, start, width, q, do, lse, delta, row_keys,
                                            row_spans)
                     return dq, add(dk_dv[0], dk_s, start), add(dk_dv[1], dv_s, start)
 
-                dq, dk_t, dv_t = jax.lax.cond(fits, one_slab, chunks_loop)
+                dq, dk_t, dv_t = jax.lax.switch(branch, [
+                    *(functools.partial(one_slab, start, w) for start, w in zip(starts, slabs)),
+                    chunks_loop])
             else:
                 dq, dk_t, dv_t = chunks_loop()
             dq_hbm[rows] = dq.astype(dq_hbm.dtype)
@@ -439,7 +441,7 @@ def batched_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *, s
         functools.partial(batched_kernel, blocks=blocks, scale=scale, causal=causal,
                           kv_len=dims.kv_len, **dropout_param(dropout_p),
                           **softcap_param(softcap),
-                          **({"spans": True, "slab": blocks_.slab(config, lay)}
+                          **({"spans": True, "slabs": blocks_.slabs(config, lay)}
                              if spans is not None else {})),
         out_type=(lay.row_type(lay.e, q.dtype), lay.kv_type(lay.e, q.dtype),
                   lay.kv_type(lay.ev, q.dtype)),

@@ -79,9 +79,11 @@ class AttentionConfig:
     block_b: int | None = None  # batched: batch entries per block; None: all
     block_h: int | None = None  # batched: key/value heads per block; None: all
     head_multiple: int = 1  # head dimensions padded to a multiple of this
-    # batched, with spans: the keys a query block takes at once where its
-    # spans reach no more (a sliding window's band); 0: key chunks only
-    slab: int = 0
+    # batched, with spans: the key counts a query block may take at once,
+    # the narrowest that holds its spans (a sliding window's band, a packed
+    # sequence's causal rows), a plain softmax; a block whose spans reach
+    # further takes the key chunks. (): key chunks only
+    slabs: tuple[int, ...] = ()
 
     @classmethod
     def default(cls, backend: str) -> "AttentionConfig":
@@ -423,21 +425,49 @@ def span_config(dims: AttentionDims, width: int) -> AttentionConfig:
     per_head = dims.group * rows * slab * 4
     bh = max([d for d in _divisors_down(dims.kv_heads) if d * per_head <= SLAB_SCORE_BYTES] or [1])
     return AttentionConfig(Body.BATCHED, block_q=rows, block_k=_even(dims.kv_len, rows),
-                           block_b=1, block_h=bh, slab=slab)
+                           block_b=1, block_h=bh, slabs=(slab,))
 
 
-def spans_config(dims: AttentionDims) -> AttentionConfig:
+# Spans of no known width (packed sequences): query blocks of about
+# SLAB_ROWS rows take their keys in the narrowest of a ladder of slabs, in
+# steps of half a block up to PACKED_SLAB_MOST keys (a causal block's keys
+# reach back to its sequence's start), as many heads at once as keep the
+# widest slab's scores within PACKED_SCORE_BYTES; blocks that reach further
+# (longer sequences) take key chunks of the rows' size.
+PACKED_SLAB_MOST = 1280
+PACKED_SCORE_BYTES = 8 * 2**20
+
+
+def spans_config(dims: AttentionDims, *, backward: bool = False) -> AttentionConfig:
     """The batched body's blocks for spans of no known width (packed
     sequences): blocks and key chunks of about SLAB_ROWS, exact divisors of
     the rows and keys where there are such (a padded operand is a copy of
-    it), one head at a time. Measured on the 2-core EPYC (Zen 4), 8 causal
-    sequences of 64-1024 tokens packed into 4030, 8 heads, E=64, float32,
-    forward: 130 x 130 blocks 61-64 ms, 128 x 128 (padded to 4096) 69-70,
-    the causal bands' 504 x 504 78-89, 256 x 256 93-109, 64 x 64 of all
-    heads 67-96; torch's SDPA on the padded batch (8, 8, 1024, 64) 79-90."""
+    it), and the ladder of slabs above. Measured on the 2-core EPYC (Zen
+    4), 8 causal sequences of 64-1024 tokens packed into 4030, 8 heads,
+    E=64, float32, forward, kernel level, interleaved: 130-row blocks of all
+    8 heads, slabs in steps of 65 keys 43-44 ms, of 130 keys 45-47, of 130
+    keys with 4 heads a block 48-50; 65-row blocks with 65-key steps 49-51;
+    155-row blocks 47-50; the chunk loop alone (130 x 130, one head) 60-61
+    ms; torch's SDPA on the padded batch (8, 8, 1024, 64) 80-82. Earlier,
+    chunk loops only: 128 x 128 (padded to 4096) 69-70, the causal bands'
+    504 x 504 78-89, 256 x 256 93-109 (docs/performance.md).
+
+    The backward keeps the chunk loop, one head at a time: on the same
+    case, interleaved, 130 x 130 chunks 168-183 ms, slabs in steps of 130
+    keys 181-230 (two heads a block 197-214), in steps of 65 193-238, of 65
+    with all 8 heads 220-242 (each branch updates the whole dK and dV sums;
+    not taken further), and a ladder of 20 slabs took 4 s to compile."""
     rows = _divisor_near(dims.q_len, SLAB_ROWS)
     keys = _divisor_near(dims.kv_len, SLAB_ROWS)
-    return AttentionConfig(Body.BATCHED, block_q=rows, block_k=keys, block_b=1, block_h=1)
+    if backward:
+        return AttentionConfig(Body.BATCHED, block_q=rows, block_k=keys, block_b=1, block_h=1)
+    step = cdiv(rows, 2)
+    slabs = tuple(range(step, min(dims.kv_len, PACKED_SLAB_MOST) + step, step))
+    per_head = dims.group * rows * slabs[-1] * 4
+    bh = max([d for d in _divisors_down(dims.kv_heads) if d * per_head <= PACKED_SCORE_BYTES]
+             or [1])
+    return AttentionConfig(Body.BATCHED, block_q=rows, block_k=keys, block_b=1, block_h=bh,
+                           slabs=slabs)
 
 
 def _divisor_near(n: int, target: int) -> int:
@@ -449,19 +479,23 @@ def _divisor_near(n: int, target: int) -> int:
     return min(near, key=lambda d: abs(d - target)) if near else _even(n, target)
 
 
-def slab(config: AttentionConfig, lay) -> int:
-    """The slab the batched body takes (0: none): the config's, when it is
-    narrower than the padded keys (else the chunks cover them as well)."""
-    return config.slab if 0 < config.slab < lay.sp else 0
+def slabs(config: AttentionConfig, lay) -> tuple[int, ...]:
+    """The slabs the batched body takes (narrowest first; (): none): the
+    config's, those narrower than the padded keys and the padded keys
+    themselves where a wider one is asked for."""
+    widths = {min(w, lay.sp) for w in config.slabs if w > 0}
+    return tuple(sorted(widths))
 
 
-def slab_start(spans, row: int, rows: int, width: int, keys: int):
-    """(start, fits): the slab of `width` keys for the block of `rows` rows
-    from `row`, starting at its first row's span (moved back to stay within
-    the `keys` keys), and whether every row's span lies inside it."""
+def slab_choice(spans, row: int, rows: int, widths: tuple[int, ...], keys: int):
+    """(branch, starts) for the block of `rows` rows from `row`: the index
+    of the narrowest of `widths` whose slab holds every row's span
+    (len(widths): none does), and each slab's first key: the block's
+    first row's span start, moved back to stay within the `keys` keys."""
     first, past = spans[row, 0], spans[row + rows - 1, 1]
-    start = jnp.clip(first, 0, keys - width)
-    return start, past - start <= width
+    starts = [jnp.clip(first, 0, keys - w) for w in widths]
+    branch = sum((past - start > w).astype(jnp.int32) for start, w in zip(starts, widths))
+    return branch, starts
 
 
 def select_config(backend: str, dims: AttentionDims, params, *, backward: bool = False):
@@ -472,7 +506,7 @@ def select_config(backend: str, dims: AttentionDims, params, *, backward: bool =
     if params.get("span_width"):
         return span_config(dims, int(params["span_width"]))
     if params.get("spans"):
-        return spans_config(dims)
+        return spans_config(dims, backward=backward)
     return batched_config(dims, causal=bool(params.get("causal", False)), backward=backward)
 
 

@@ -301,7 +301,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, *refs, blocks, scale, causal, kv_len, dr
             m, l, acc = softmax(0, sp)
         elif slabs:  # the block's keys in the narrowest slab that holds them
             branch, starts = blocks_.slab_choice(spans_hbm, qi * bq, bq, slabs, sp)
-            m, l, acc = jax.lax.switch(branch, [
+            m, l, acc = blocks_.take_branch(branch, [
                 *(functools.partial(softmax, start, w) for start, w in zip(starts, slabs)),
                 online_softmax])
         else:

@@ -402,7 +402,7 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
                                            row_spans)
                     return dq, add(dk_dv[0], dk_s, start), add(dk_dv[1], dv_s, start)
 
-                dq, dk_t, dv_t = jax.lax.switch(branch, [
+                dq, dk_t, dv_t = blocks_.take_branch(branch, [
                     *(functools.partial(one_slab, start, w) for start, w in zip(starts, slabs)),
                     chunks_loop])
             else:

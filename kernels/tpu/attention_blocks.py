@@ -498,6 +498,16 @@ def slab_choice(spans, row: int, rows: int, widths: tuple[int, ...], keys: int):
     return branch, starts
 
 
+def take_branch(branch, branches):
+    """branches[branch](), as a two-way `lax.cond` where there are two: XLA
+    CPU updates the backward's dK and dV sums in place in a boolean
+    conditional, and copied them in an indexed one (a window's forward and
+    backward, 4096 tokens: 415 against 246 ms)."""
+    if len(branches) == 2:
+        return jax.lax.cond(branch == 0, *branches)
+    return jax.lax.switch(branch, branches)
+
+
 def select_config(backend: str, dims: AttentionDims, params, *, backward: bool = False):
     """On `interpret`, batched blocks with cache-sized scores
     (batched_blocks); TPU blocks elsewhere."""

@@ -17,7 +17,10 @@ Two bodies, chosen by the config:
   chunks ran faster (batched_blocks' bands of key counts, measured). The
   bound keeps memory flat for long sequences, and it keeps each block's
   scores in the CPU's caches (every product and softmax pass over a block
-  that does not fit is memory-bound there). It never lowers for a TPU.
+  that does not fit is memory-bound there). With spans (a window, packed
+  sequences) a query block takes the keys its rows reach in one slab, a
+  plain softmax, where a slab holds them (span_config, spans_config). It
+  never lowers for a TPU.
 """
 
 from __future__ import annotations

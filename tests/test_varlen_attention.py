@@ -18,6 +18,7 @@ import torch_pallas
 from helpers import assert_within
 from torch_pallas.ops import attention as attention_op
 from torch_pallas.ops import varlen_attention as varlen_op
+from torch_pallas.runtime import compile_cache, shape_buckets
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
@@ -114,6 +115,32 @@ def test_matches_each_sequence_run_alone():
         torch.testing.assert_close(out[start:start + n], alone.transpose(0, 1), rtol=1e-5,
                                    atol=1e-5)
         start += n
+
+
+def test_changing_token_counts_build_bucketed_kernels():
+    """Padding-free batches of changing total lengths (what training with
+    DataCollatorWithFlattening sends): the first length's kernels are
+    exact, later lengths' are built for shape_buckets' sizes (the rows and
+    keys padded past the last sequence, the rows sliced off), so four
+    lengths build three sizes' kernels; values and every gradient stay the
+    float64 reference's, with and without a window, Lq != Lk too."""
+    shape_buckets.reset()
+    try:
+        before = compile_cache.compiled.builds
+        for lengths in ([20, 13], [9, 25, 4], [30, 1], [17, 16, 2]):  # 33, 38, 31, 35 tokens
+            check(lengths, lengths, window_size=(-1, 0))
+        # 33 exact, then buckets 40, 32, 40: a forward and a backward kernel each
+        assert compile_cache.compiled.builds - before == 2 * 3
+        q, k, v, *_ = packed([18, 17], [20, 19])
+        assert varlen_op.bucketed_tokens(q, k, v) == (35, 39)  # new families: exact
+        assert varlen_op.bucketed_tokens(q[:-1], k, v) == (40, 39)  # the queries' changed
+        assert varlen_op.bucketed_tokens(q, k[:-2], v[:-2]) == (40, 40)  # then the keys'
+        check([11, 23, 4], [12, 30, 3], window_size=(3, 0), extra_rows=3)  # 41 x 45: 48 x 48
+        shape_buckets.enabled = False
+        assert varlen_op.bucketed_tokens(q[:-2], k, v) == (33, 39)
+    finally:
+        shape_buckets.reset()
+        shape_buckets.enabled = True
 
 
 # --- the SDPA drop-in's extras -------------------------------------------------

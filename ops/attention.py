@@ -55,7 +55,7 @@ from torch_pallas.kernels.attention_shapes import (DROPOUT_BITS, DROPOUT_GOLDEN,
                                                    MAX_HEAD_DIM, AttentionDims, attention_flops,
                                                    dropout_scale, dropout_threshold)
 from torch_pallas.base import dtypes
-from torch_pallas.runtime import launch, registry
+from torch_pallas.runtime import launch, registry, shape_buckets
 from torch_pallas.library import registration
 from torch_pallas.ops import attention_spans, checks
 
@@ -377,13 +377,55 @@ def _forward_values(q, k, v, mask, scale, is_causal, dropout_p, seed, window_lef
             out.zero_()
         lse.fill_(float("inf"))
         return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
+    length = q.shape[2]
+    rows, keys = packed_lengths(q, k, v, cu_seq_q, mask, dropout_p)
+    q, k, v = _padded(q, rows), _padded(k, keys), _padded(v, keys)
     spans, causal = _spans(q, k, is_causal, window_left, window_right, cu_seq_q, cu_seq_k)
     inputs = ((q, k, v) + (() if mask is None else (mask,)) + (() if spans is None else (spans,))
               + dropping)
     out, lse = launch.run("attention", q.device, inputs,
                           _params(scale, causal, dropout_p, spans is not None, softcap,
                                   _span_width(is_causal, window_left, window_right)))
+    out, lse = _unpadded(out, length), _unpadded(lse, length)
     return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
+
+
+def packed_lengths(q, k, v, cu_seq_q, mask, dropout_p) -> tuple[int, int]:
+    """The query rows and keys a packed call's kernels are built for. On
+    the CPU, from the second distinct packed length of a family on, the
+    length rounded up to torch_pallas.runtime.shape_buckets' buckets:
+    padding-free training packs a new total length into every batch, and
+    each length would build its own forward and backward kernels (1-2 s
+    each). The padded rows lie past cu_seq_q[-1] and see nothing (sliced
+    off); the padded keys lie past cu_seq_k[-1], in no row's span. Query
+    and key lengths bucket apart where they differ. Exact without packed
+    sequences, with a mask or dropout (its draws follow the shape), where
+    torch.compile traces, off the CPU, and for tensors of other types
+    (fake, functional, DTensor)."""
+    length, keys = q.shape[2], k.shape[2]
+    if (cu_seq_q is None or mask is not None or dropout_p > 0 or not shape_buckets.enabled
+            or torch.compiler.is_compiling()
+            or any(type(t) is not torch.Tensor or t.device.type != "cpu" for t in (q, k, v))):
+        return length, keys
+    family = ("pallas::attention", q.dtype, q.shape[0], q.shape[1], k.shape[1], q.shape[3],
+              v.shape[3])
+    if length == keys:
+        n = shape_buckets.size((*family, "tokens"), length)
+        return n, n
+    return shape_buckets.size((*family, "q"), length), shape_buckets.size((*family, "k"), keys)
+
+
+def _padded(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t (B, H, L, ...) zero-padded to n rows along L (t itself at n)."""
+    if t.shape[2] == n:
+        return t
+    pad = [0, 0] * (t.dim() - 3) + [0, n - t.shape[2]]
+    return torch.nn.functional.pad(t, pad)
+
+
+def _unpadded(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t's first n rows along L, contiguous as the kernels' results are."""
+    return t if t.shape[2] == n else t[:, :, :n].contiguous()
 
 
 _FORWARD_DEFAULTS = (0.0, None, -1, -1, 0.0, None, None, None, 0, 0)
@@ -507,12 +549,17 @@ def backward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dropping = _dropout_operands(q, dropout_p, seed, "pallas::attention_backward")
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0 or out.numel() == 0:
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    length, kv_length = q.shape[2], k.shape[2]
+    rows, keys = packed_lengths(q, k, v, cu_seq_q, mask, dropout_p)
+    q, out, grad_out, lse = (_padded(t, rows) for t in (q, out, grad_out, lse))
+    k, v = _padded(k, keys), _padded(v, keys)
     spans, causal = _spans(q, k, is_causal, window_left, window_right, cu_seq_q, cu_seq_k)
     tables = () if spans is None else (spans, attention_spans.key_spans(spans, k.shape[2]))
     inputs = (q, k, v, out, grad_out, lse) + (() if mask is None else (mask,)) + tables + dropping
-    return launch.run("attention_backward", q.device, inputs,
-                      _params(scale, causal, dropout_p, spans is not None, softcap,
-                              _span_width(is_causal, window_left, window_right)))
+    dq, dk, dv = launch.run("attention_backward", q.device, inputs,
+                            _params(scale, causal, dropout_p, spans is not None, softcap,
+                                    _span_width(is_causal, window_left, window_right)))
+    return _unpadded(dq, length), _unpadded(dk, kv_length), _unpadded(dv, kv_length)
 
 
 def _backward_flops(q_shape, k_shape, v_shape, *args, out_shape, **kwargs) -> int:

@@ -14,9 +14,9 @@ no key gives 0 (with zero gradients), or with sinks 0 too.
 
 CompositeImplicitAutograd over `pallas::attention_forward` (ops/attention.py):
 the packed tokens are one batch entry's rows, (1, H, T, D) views of the
-(T, H, D) tensors (nothing copied; on the CPU, once a packed length
-changes from call to call, zero-padded to shape_buckets' sizes: see
-bucketed_tokens), and the sequences become each row's
+(T, H, D) tensors (nothing copied; the op pads changing packed lengths to
+shape buckets on the CPU: ops/attention.py's packed_lengths), and the
+sequences become each row's
 key span (ops/attention_spans.py), so the kernels visit only the key blocks
 of a row's own sequence and window. cu_seq's values are checked inside the
 forward op (starting at 0, non-decreasing, within the tokens, no sequence
@@ -33,7 +33,7 @@ import torch
 from torch_pallas.library import registration
 from torch_pallas.ops import attention as attention_op
 from torch_pallas.ops import attention_spans, checks
-from torch_pallas.runtime import registry, shape_buckets
+from torch_pallas.runtime import registry
 
 OP = "pallas::varlen_attention"
 
@@ -87,45 +87,11 @@ def varlen_attention_implementation(query, key, value, cu_seq_q, cu_seq_k, max_q
     left, right = attention_op.check_extras(OP, window_size, softcap, sinks, query,
                                             query.shape[1])
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    rows, keys = bucketed_tokens(query, key, value)
-    q, k, v = (_as_rows(t, n) for t, n in ((query, rows), (key, keys), (value, keys)))
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
     out, _ = torch.ops.pallas.attention_forward(
         q, k, v, None, scale, False, 0.0, None, left, right, float(softcap), sinks,
         cu_seq_q, cu_seq_k, max_q, max_k)
-    return out[0, :, :query.shape[0]].transpose(0, 1)
-
-
-def bucketed_tokens(query, key, value) -> tuple[int, int]:
-    """The query and key token counts the kernels are built for. On the
-    CPU, from the second distinct count of a family on, the count rounded
-    up to torch_pallas.runtime.shape_buckets' buckets: padding-free training
-    packs a new total length into every batch, and each length would build
-    its own kernels (1-2 s each). The padded rows lie past cu_seq_q[-1]
-    and see nothing (sliced off); the padded keys lie past cu_seq_k[-1], in
-    no row's span. The query and key counts are bucketed apart where they
-    differ, each family leaving both counts out (in packed batches both
-    change together). Exact where torch.compile traces, off the CPU, and
-    for tensors of other types (fake, functional, DTensor)."""
-    tq, tk = query.shape[0], key.shape[0]
-    if (not shape_buckets.enabled or torch.compiler.is_compiling()
-            or any(type(t) is not torch.Tensor or t.device.type != "cpu"
-                   for t in (query, key, value))):
-        return tq, tk
-    family = (OP, query.dtype, *query.shape[1:], *key.shape[1:], value.shape[-1])
-    if tq == tk:
-        n = shape_buckets.size((*family, "tokens"), tq)
-        return n, n
-    return shape_buckets.size((*family, "q"), tq), shape_buckets.size((*family, "k"), tk)
-
-
-def _as_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """(T, H, D) as the kernels' (1, H, n, D): a view where n == T, else
-    zero-padded to n tokens (one copy, as the kernels' contiguous operand
-    would have been)."""
-    rows = t.transpose(0, 1).unsqueeze(0)
-    if n == t.shape[0]:
-        return rows
-    return torch.nn.functional.pad(rows, (0, 0, 0, n - t.shape[0]))
+    return out.squeeze(0).transpose(0, 1)
 
 
 registration.define_composite(

@@ -121,7 +121,7 @@ def test_changing_token_counts_build_bucketed_kernels():
     """Padding-free batches of changing total lengths (what training with
     DataCollatorWithFlattening sends): the first length's kernels are
     exact, later lengths' are built for shape_buckets' sizes (the rows and
-    keys padded past the last sequence, the rows sliced off), so four
+    keys padded past the last sequence, sliced off the results), so four
     lengths build three sizes' kernels; values and every gradient stay the
     float64 reference's, with and without a window, Lq != Lk too."""
     shape_buckets.reset()
@@ -131,13 +131,21 @@ def test_changing_token_counts_build_bucketed_kernels():
             check(lengths, lengths, window_size=(-1, 0))
         # 33 exact, then buckets 40, 32, 40: a forward and a backward kernel each
         assert compile_cache.compiled.builds - before == 2 * 3
-        q, k, v, *_ = packed([18, 17], [20, 19])
-        assert varlen_op.bucketed_tokens(q, k, v) == (35, 39)  # new families: exact
-        assert varlen_op.bucketed_tokens(q[:-1], k, v) == (40, 39)  # the queries' changed
-        assert varlen_op.bucketed_tokens(q, k[:-2], v[:-2]) == (40, 40)  # then the keys'
+        q, k, v, cu, *_ = packed([18, 17], [20, 19])
+        q, k, v = (t.detach().transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+
+        def lengths(q, k, v, **kw):
+            return attention_op.packed_lengths(q, k, v, cu, kw.get("mask"), kw.get("p", 0.0))
+        assert lengths(q, k, v) == (35, 39)  # new families: exact
+        assert lengths(q[:, :, :-1], k, v) == (40, 39)  # the queries' length changed
+        assert lengths(q, k[:, :, :-2], v[:, :, :-2]) == (40, 40)  # then the keys'
+        # never with a mask, dropout or without packed sequences
+        assert lengths(q[:, :, :-3], k, v, mask=torch.zeros(32, 39)) == (32, 39)
+        assert lengths(q[:, :, :-3], k, v, p=0.1) == (32, 39)
+        assert attention_op.packed_lengths(q[:, :, :-3], k, v, None, None, 0.0) == (32, 39)
         check([11, 23, 4], [12, 30, 3], window_size=(3, 0), extra_rows=3)  # 41 x 45: 48 x 48
         shape_buckets.enabled = False
-        assert varlen_op.bucketed_tokens(q[:-2], k, v) == (33, 39)
+        assert lengths(q[:, :, :-2], k, v) == (33, 39)
     finally:
         shape_buckets.reset()
         shape_buckets.enabled = True

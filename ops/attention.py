@@ -551,6 +551,7 @@ def backward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
     length, kv_length = q.shape[2], k.shape[2]
     rows, keys = packed_lengths(q, k, v, cu_seq_q, mask, dropout_p)
+    # padded rows see no key: their p is 0 whatever their (zero) lse
     q, out, grad_out, lse = (_padded(t, rows) for t in (q, out, grad_out, lse))
     k, v = _padded(k, keys), _padded(v, keys)
     spans, causal = _spans(q, k, is_causal, window_left, window_right, cu_seq_q, cu_seq_k)

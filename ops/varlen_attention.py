@@ -14,11 +14,11 @@ no key gives 0 (with zero gradients), or with sinks 0 too.
 
 CompositeImplicitAutograd over `pallas::attention_forward` (ops/attention.py):
 the packed tokens are one batch entry's rows, (1, H, T, D) views of the
-(T, H, D) tensors (nothing copied; the op pads changing packed lengths to
-shape buckets on the CPU: ops/attention.py's packed_lengths), and the
-sequences become each row's
-key span (ops/attention_spans.py), so the kernels visit only the key blocks
-of a row's own sequence and window. cu_seq's values are checked inside the
+(T, H, D) tensors (nothing copied; on the CPU the op pads packed lengths
+that change from call to call to shape buckets: ops/attention.py's
+packed_lengths), and the sequences become each row's key span
+(ops/attention_spans.py), so the kernels visit only the key blocks of a
+row's own sequence and window. cu_seq's values are checked inside the
 forward op (starting at 0, non-decreasing, within the tokens, no sequence
 longer than max_q / max_k): one read of each, in eager and compiled calls
 alike (torch.compile traces around it).

@@ -458,8 +458,10 @@ def spans_config(dims: AttentionDims, *, backward: bool = False) -> AttentionCon
     The backward keeps the chunk loop, one head at a time: on the same
     case, interleaved, 130 x 130 chunks 168-183 ms, slabs in steps of 130
     keys 181-230 (two heads a block 197-214), in steps of 65 193-238, of 65
-    with all 8 heads 220-242 (each branch updates the whole dK and dV sums;
-    not taken further), and a ladder of 20 slabs took 4 s to compile."""
+    with all 8 heads 220-242; with each slab's dK and dV added outside the
+    branches no better; skipping the dK and dV updates altogether changed
+    nothing (the time is the five products); a ladder of 20 slabs took 4 s
+    to compile."""
     rows = _divisor_near(dims.q_len, SLAB_ROWS)
     keys = _divisor_near(dims.kv_len, SLAB_ROWS)
     if backward:
@@ -502,10 +504,10 @@ def slab_choice(spans, row: int, rows: int, widths: tuple[int, ...], keys: int):
 
 
 def take_branch(branch, branches):
-    """branches[branch](), as a two-way `lax.cond` where there are two: XLA
-    CPU updates the backward's dK and dV sums in place in a boolean
-    conditional, and copied them in an indexed one (a window's forward and
-    backward, 4096 tokens: 415 against 246 ms)."""
+    """branches[branch](), as a two-way `lax.cond` where there are two: a
+    window's one slab in an indexed `lax.switch` made its forward and
+    backward slower on XLA CPU (4096 tokens, window 512: 415 against 246 ms;
+    the backward's whole dK and dV sums seemingly copied per query block)."""
     if len(branches) == 2:
         return jax.lax.cond(branch == 0, *branches)
     return jax.lax.switch(branch, branches)

@@ -58,6 +58,7 @@ from torch_pallas.base import dtypes
 from torch_pallas.runtime import launch, registry, shape_buckets
 from torch_pallas.library import registration
 from torch_pallas.ops import attention_spans, checks
+from torch_pallas.ops import matmul as matmul_op
 
 OP = "pallas::attention"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -416,11 +417,13 @@ def packed_lengths(q, k, v, cu_seq_q, mask, dropout_p) -> tuple[int, int]:
 
 
 def _padded(t: torch.Tensor, n: int) -> torch.Tensor:
-    """t (B, H, L, ...) zero-padded to n rows along L (t itself at n)."""
+    """t (B, H, L[, E]) zero-padded to n rows along L (t itself at n), by
+    matmul's padding (t written once, the padding alone zeroed)."""
     if t.shape[2] == n:
         return t
-    pad = [0, 0] * (t.dim() - 3) + [0, n - t.shape[2]]
-    return torch.nn.functional.pad(t, pad)
+    cols = t.shape[3] if t.dim() == 4 else 1
+    flat = t.reshape(-1, t.shape[2], cols)  # a view for packed calls' (1, H, T, E)
+    return matmul_op.zero_padded(flat, n, cols).view(*t.shape[:2], n, *t.shape[3:])
 
 
 def _unpadded(t: torch.Tensor, n: int) -> torch.Tensor:

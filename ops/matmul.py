@@ -373,12 +373,14 @@ def _zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         key = (t.data_ptr(), t.shape, t.dtype, t._version, rows, cols)
         if key in pads:
             return pads[key]
-        pads[key] = out = _new_zero_padded(t, rows, cols)
+        pads[key] = out = zero_padded(t, rows, cols)
         return out
-    return _new_zero_padded(t, rows, cols)
+    return zero_padded(t, rows, cols)
 
 
-def _new_zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def zero_padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """t (B, R, C) copied into a new (B, rows, cols) tensor, zeros beyond;
+    t written once and only the padding zeroed (as below)."""
     batch, r, c = t.shape
     out = t.new_empty(batch, rows, cols)
     out[:, :r, :c] = t

@@ -124,13 +124,13 @@ def test_a_backward_pads_its_output_gradient_once(buckets, monkeypatch):
     from torch_pallas.ops import matmul as matmul_op
 
     made = []
-    original = matmul_op._new_zero_padded
+    original = matmul_op.zero_padded
 
     def counting(t, rows, cols):
         made.append(tuple(t.shape))
         return original(t, rows, cols)
 
-    monkeypatch.setattr(matmul_op, "_new_zero_padded", counting)
+    monkeypatch.setattr(matmul_op, "zero_padded", counting)
     w = torch.nn.Parameter(torch.randn(48, 40))
     for rows in (33, 47):  # the second size starts buckets: 47 -> 48
         x = torch.randn(rows, 40, requires_grad=True)

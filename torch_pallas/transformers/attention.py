@@ -60,14 +60,18 @@ def packed_sequences(query: torch.Tensor, kwargs: dict):
     sequences): the `cu_seq_lens_*` transformers' flash-attention keywords
     carry, or the starts of `position_ids` that restart (each position not
     one past the previous, as transformers detects packing). None for an
-    unpacked batch."""
+    unpacked batch.
+
+    Under torch.compile only the keywords count: the restarts of
+    `position_ids` are data, and `pallas_mask` gives such a batch the dense
+    mask there whenever transformers detected the packing itself (no cache)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if cu_q is not None or cu_k is not None:
         cu_q = cu_k if cu_q is None else cu_q
         cu_k = cu_q if cu_k is None else cu_k
         return cu_q.to(torch.int32), cu_k.to(torch.int32)
     positions = kwargs.get("position_ids")
-    if positions is None or query.shape[0] != 1 or positions.shape[-1] != query.shape[2]:
+    if positions is None or torch.compiler.is_compiling() or query.shape[0] != 1 or positions.shape[-1] != query.shape[2]:
         return None
     positions = positions.reshape(-1)
     restarts = torch.nonzero(positions[1:] - positions[:-1] != 1).reshape(-1) + 1
@@ -147,21 +151,38 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 _STRUCTURAL = ("causal_mask_function", "sliding_window_overlay.", "and_masks.",
                "packed_sequence_mask_function.", "remap_positions_for_packed_sequence.",
                "sliding_window_causal_mask_function.")
+_PACKING = ("packed_sequence_mask_function.", "remap_positions_for_packed_sequence.")
+
+# What a mask function says (`mask_structure`).
+DENSE = 0  # something only a mask says: padding, chunks, a user's and_/or_mask_function
+PLAIN = 1  # causality and a sliding window
+PACKED = 2  # that, and packed sequences (position ids that restart)
 
 
-def _structural(mask_function) -> bool:
-    """Whether `mask_function` composes only causality, a sliding window and
-    packed sequences (transformers' closures, walked through their cells)."""
+@torch.compiler.assume_constant_result
+def mask_structure(mask_function) -> int:
+    """DENSE, PLAIN or PACKED: what `mask_function`, one of transformers'
+    closures, composes (walked through their cells by name).
+
+    Under torch.compile, Dynamo runs this on the real closure and bakes the
+    answer into the graph: a closure's makeup follows from the model's code
+    path and config (sliding window, packing detected, a user's extra mask
+    functions), on which the compiled graph is guarded already, and Dynamo
+    cannot trace a walk over `__closure__`."""
     name = getattr(mask_function, "__qualname__", "")
     if not name.startswith(_STRUCTURAL):
-        return False
+        return DENSE
+    structure = PACKED if name.startswith(_PACKING) else PLAIN
     for cell in getattr(mask_function, "__closure__", None) or ():
         contents = cell.cell_contents
         parts = contents if isinstance(contents, tuple) else (contents,)
         for part in parts:
-            if callable(part) and not isinstance(part, torch.Tensor) and not _structural(part):
-                return False
-    return True
+            if callable(part) and not isinstance(part, torch.Tensor):
+                inner = mask_structure(part)
+                if inner == DENSE:
+                    return DENSE
+                structure = max(structure, inner)
+    return structure
 
 
 def pallas_mask(*args, **kwargs):
@@ -171,6 +192,13 @@ def pallas_mask(*args, **kwargs):
     attention applies itself from `sliding_window`, `position_ids` or
     `cu_seq_lens_*`, building no (L, S) tensor); else transformers' SDPA
     mask, built from the very arguments transformers passed.
+
+    Under torch.compile the choice is made from what the trace knows
+    without reading a tensor's values: a batch given a padding mask keeps
+    the dense mask (whether its rows are all ones is data), and so do
+    packed sequences known only from `position_ids` (their boundaries are
+    data; SDPA gets the same mask there). Packed sequences of more than one
+    row always do (the attention reads packing off a single row).
 
     transformers 5.x calls it with keywords `batch_size`, `q_length`,
     `kv_length`, `q_offset`, `kv_offset`, `mask_function`, `attention_mask`;
@@ -186,10 +214,15 @@ def pallas_mask(*args, **kwargs):
     kwargs["mask_function"] = mask_function
     fresh = (not isinstance(q_offset, torch.Tensor) and not isinstance(kv_offset, torch.Tensor)
              and q_offset == 0 and kv_offset == 0 and q_length == kv_length)
-    if fresh and _structural(mask_function):
+    if not fresh:
+        return masking_utils.sdpa_mask(**kwargs)
+    compiling = torch.compiler.is_compiling()
+    structure = mask_structure(mask_function)
+    if structure == PLAIN or (structure == PACKED and kwargs.get("batch_size") == 1
+                              and not compiling):
         padding = masking_utils.prepare_padding_mask(kwargs.get("attention_mask"), kv_length,
                                                      kv_offset)
-        if padding is None or bool(padding.all()):
+        if padding is None or (not compiling and bool(padding.all())):
             return None
     return masking_utils.sdpa_mask(**kwargs)
 

@@ -855,12 +855,16 @@ def _fusing_forward(cls: type):
         head = self.get_output_embeddings()
         setattr(head, FUSING, True)
         # Last of the head's forward hooks: what the model receives as its
-        # logits once every hook has run (tensor parallelism's re-layout).
-        recording = head.register_forward_hook(_record_output)
+        # logits once every hook has run (tensor parallelism's re-layout, the
+        # one case the loss reads it: a sharded head). Only then, since
+        # torch.compile cannot trace a hook registered inside its graph.
+        recording = (head.register_forward_hook(_record_output)
+                     if op_checks.is_dtensor(head.weight) else None)
         try:
             outputs = forward(self, *args, **kwargs)
         finally:
-            recording.remove()
+            if recording is not None:
+                recording.remove()
             setattr(head, FUSING, False)
             setattr(head, HIDDEN, None)
             setattr(head, PASSED, None)

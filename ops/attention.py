@@ -70,50 +70,56 @@ def _heads(t: torch.Tensor) -> int:
     return t.shape[-3] if t.dim() >= 3 else 1
 
 
-def _check(query, key, value, attn_mask, dropout_p, enable_gqa):
+def check_arguments(query, key, value, attn_mask, dropout_p, enable_gqa, op: str = OP):
+    """SDPA's arguments, as torch checks them; errors name `op`, the function
+    the caller called. Returns _batch's dimensions."""
     for name, t in (("query", query), ("key", key), ("value", value)):
-        checks.tensor(OP, name, t)
+        checks.tensor(op, name, t)
         if t.dim() < 2:
             raise checks.RefusedLikeTorch(
-                f"{OP}: {name} must have at least 2 dimensions (..., length, head_dim), "
+                f"{op}: {name} must have at least 2 dimensions (..., length, head_dim), "
                 f"got {name}.shape={tuple(t.shape)}")
-    checks.dtype_in(OP, "query", query.dtype, DTYPES)
-    checks.same_dtype(OP, query, key, names=("query", "key"))
-    checks.same_dtype(OP, query, value, names=("query", "value"))
-    checks.same_device(OP, query, key, names=("query", "key"))
-    checks.same_device(OP, query, value, names=("query", "value"))
+    checks.dtype_in(op, "query", query.dtype, DTYPES)
+    checks.same_dtype(op, query, key, names=("query", "key"))
+    checks.same_dtype(op, query, value, names=("query", "value"))
+    checks.same_device(op, query, key, names=("query", "key"))
+    checks.same_device(op, query, value, names=("query", "value"))
     if key.shape[-1] != query.shape[-1]:
         raise checks.RefusedLikeTorch(
-            f"{OP}: query and key must have the same head dimension, got "
+            f"{op}: query and key must have the same head dimension, got "
             f"query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}")
     if key.shape[-2] != value.shape[-2]:
         raise checks.RefusedLikeTorch(
-            f"{OP}: key and value must have the same length, got "
+            f"{op}: key and value must have the same length, got "
             f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}")
     for name, size in (("query", query.shape[-1]), ("value", value.shape[-1])):
         if not 1 <= size <= MAX_HEAD_DIM:
             raise ValueError(
-                f"{OP}: head dimension {name}.shape[-1]={size} is not supported; the "
+                f"{op}: head dimension {name}.shape[-1]={size} is not supported; the "
                 f"kernels take 1 to {MAX_HEAD_DIM}")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"{OP}: dropout_p must be a float in [0, 1], got {dropout_p!r}")
+        raise ValueError(f"{op}: dropout_p must be a float in [0, 1], got {dropout_p!r}")
     if enable_gqa:
         hq, hk, hv = _heads(query), _heads(key), _heads(value)
         if hk != hv or hq % hk:
             raise checks.RefusedLikeTorch(
-                f"{OP}: with enable_gqa the query's heads must be a multiple of the key's "
+                f"{op}: with enable_gqa the query's heads must be a multiple of the key's "
                 f"and value's, which must be equal; got query.shape={tuple(query.shape)}, "
                 f"key.shape={tuple(key.shape)}, value.shape={tuple(value.shape)}")
     if attn_mask is not None:
-        checks.tensor(OP, "attn_mask", attn_mask)
+        checks.tensor(op, "attn_mask", attn_mask)
         if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
             raise TypeError(
-                f"{OP}: attn_mask has dtype {attn_mask.dtype}; it must be torch.bool, "
+                f"{op}: attn_mask has dtype {attn_mask.dtype}; it must be torch.bool, "
                 f"torch.float32 or the query's dtype ({query.dtype}), as torch requires")
-        checks.same_device(OP, query, attn_mask, names=("query", "attn_mask"))
+        checks.same_device(op, query, attn_mask, names=("query", "attn_mask"))
+    outer, heads, kv_heads = _batch(query, key, value, enable_gqa, op)
+    if attn_mask is not None and op != OP:  # (the op checks it as it lays the mask out)
+        _check_mask_shape(attn_mask, (*outer, heads, query.shape[-2], key.shape[-2]), op)
+    return outer, heads, kv_heads
 
 
-def _batch(query, key, value, enable_gqa):
+def _batch(query, key, value, enable_gqa, op: str = OP):
     """(outer batch shape, query heads, key/value heads): the dimensions
     before the head axis broadcast; heads broadcast too unless GQA."""
     shapes = [t.shape[:-3] for t in (query, key, value)]
@@ -127,7 +133,7 @@ def _batch(query, key, value, enable_gqa):
         heads = hq if hq == hk == hv else torch.broadcast_shapes((hq,), (hk,), (hv,))[0]
     except RuntimeError:
         raise checks.RefusedLikeTorch(
-            f"{OP}: the batch dimensions of query.shape={tuple(query.shape)}, "
+            f"{op}: the batch dimensions of query.shape={tuple(query.shape)}, "
             f"key.shape={tuple(key.shape)} and value.shape={tuple(value.shape)} do not "
             "broadcast") from None
     # One key/value head shared by every query head is read in place (MQA).
@@ -145,18 +151,22 @@ def _canonical(t: torch.Tensor, outer, heads: int) -> torch.Tensor:
     return t.expand(*outer, heads, *t.shape[-2:]).reshape(math.prod(outer), heads, *t.shape[-2:])
 
 
-def _canonical_mask(mask: torch.Tensor, dtype, outer, heads: int, length: int,
-                    kv_length: int) -> torch.Tensor:
-    """The mask as an additive (Bm, Hm, L, S), Bm in {1, B}, Hm in {1, heads}."""
-    scores = (*outer, heads, length, kv_length)
+def _check_mask_shape(mask: torch.Tensor, scores: tuple, op: str) -> None:
     try:
         fits = torch.broadcast_shapes(mask.shape, scores) == torch.Size(scores)
     except RuntimeError:
         fits = False
     if not fits:
         raise checks.RefusedLikeTorch(
-            f"{OP}: attn_mask.shape={tuple(mask.shape)} does not broadcast to the "
+            f"{op}: attn_mask.shape={tuple(mask.shape)} does not broadcast to the "
             f"attention scores' shape {scores} (batch..., heads, L, S)")
+
+
+def _canonical_mask(mask: torch.Tensor, dtype, outer, heads: int, length: int,
+                    kv_length: int) -> torch.Tensor:
+    """The mask as an additive (Bm, Hm, L, S), Bm in {1, B}, Hm in {1, heads}."""
+    scores = (*outer, heads, length, kv_length)
+    _check_mask_shape(mask, scores, OP)
     if mask.dtype == torch.bool:  # True: take part in attention
         # (not `~mask`: a bool NOT of fake CUDA tensors fails in AOT export)
         mask = torch.full_like(mask, float("-inf"), dtype=dtype).masked_fill(mask, 0.0)
@@ -196,8 +206,7 @@ def check_extras(op: str, window_size, softcap, sinks, query, heads: int) -> tup
 def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
                              is_causal=False, scale=None, enable_gqa=False,
                              window_size=(-1, -1), softcap=0.0, sinks=None):
-    _check(query, key, value, attn_mask, dropout_p, enable_gqa)
-    outer, heads, kv_heads = _batch(query, key, value, enable_gqa)
+    outer, heads, kv_heads = check_arguments(query, key, value, attn_mask, dropout_p, enable_gqa)
     left, right = check_extras(OP, window_size, softcap, sinks, query, heads)
     length, kv_length, value_dim = query.shape[-2], key.shape[-2], value.shape[-1]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
@@ -274,30 +283,44 @@ def _spans(q, k, is_causal, window_left, window_right, cu_seq_q, cu_seq_k):
                                           window_right), False
 
 
+class SequenceError(ValueError):
+    """Bad cu_seq_q / cu_seq_k values, found by the forward op (the one
+    place that reads them): `problem` names the argument and its value, and
+    `renamed(op)` says it again for the op the caller called
+    (varlen_attention's composite)."""
+
+    def __init__(self, op: str, problem: str):
+        super().__init__(f"{op}: {problem}")
+        self.problem = problem
+
+    def renamed(self, op: str) -> "SequenceError":
+        return SequenceError(op, self.problem)
+
+
 def check_sequences(cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, rows: int, keys: int,
                     max_q: int, max_k: int, op: str) -> None:
     """cu_seq_q's and cu_seq_k's values: starting at 0, non-decreasing,
     within the rows and keys, no sequence longer than max_q / max_k (0:
-    unchecked). One read of each."""
+    unchecked). One read of each; raises SequenceError."""
     for name, cu, total, most, limit in (("cu_seq_q", cu_seq_q, rows, max_q, "max_q"),
                                          ("cu_seq_k", cu_seq_k, keys, max_k, "max_k")):
         values = cu.tolist()
         if values[0] != 0:
-            raise ValueError(f"{op}: {name} must start at 0, got {name}[0]={values[0]}")
+            raise SequenceError(op, f"{name} must start at 0, got {name}[0]={values[0]}")
         lengths = [b - a for a, b in zip(values, values[1:])]
         for i, length in enumerate(lengths):
             if length < 0:
-                raise ValueError(f"{op}: {name} must be non-decreasing (cumulative sequence "
-                                 f"ends), got {name}[{i}]={values[i]} > "
-                                 f"{name}[{i + 1}]={values[i + 1]}")
+                raise SequenceError(op, f"{name} must be non-decreasing (cumulative sequence "
+                                        f"ends), got {name}[{i}]={values[i]} > "
+                                        f"{name}[{i + 1}]={values[i + 1]}")
         if values[-1] > total:
-            raise ValueError(f"{op}: {name}[-1]={values[-1]} is past the {total} "
-                             f"{'query' if name == 'cu_seq_q' else 'key'} tokens")
+            raise SequenceError(op, f"{name}[-1]={values[-1]} is past the {total} "
+                                    f"{'query' if name == 'cu_seq_q' else 'key'} tokens")
         longest = max(lengths, default=0)
         if most and longest > most:
-            raise ValueError(f"{op}: sequence {lengths.index(longest)} has {longest} "
-                             f"{'queries' if name == 'cu_seq_q' else 'keys'}, more than "
-                             f"{limit}={most}")
+            raise SequenceError(op, f"sequence {lengths.index(longest)} has {longest} "
+                                    f"{'queries' if name == 'cu_seq_q' else 'keys'} in "
+                                    f"{name}, more than {limit}={most}")
 
 
 def _with_sinks(out, lse, sinks):

@@ -21,7 +21,9 @@ packed_lengths), and the sequences become each row's key span
 row's own sequence and window. cu_seq's values are checked inside the
 forward op (starting at 0, non-decreasing, within the tokens, no sequence
 longer than max_q / max_k): one read of each, in eager and compiled calls
-alike (torch.compile traces around it).
+alike (torch.compile traces around it). Their errors name this op in eager
+calls; in a compiled graph, where this composite is traced away, the
+forward op they were found in.
 """
 
 from __future__ import annotations
@@ -88,9 +90,12 @@ def varlen_attention_implementation(query, key, value, cu_seq_q, cu_seq_k, max_q
                                             query.shape[1])
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-    out, _ = torch.ops.pallas.attention_forward(
-        q, k, v, None, scale, False, 0.0, None, left, right, float(softcap), sinks,
-        cu_seq_q, cu_seq_k, max_q, max_k)
+    try:
+        out, _ = torch.ops.pallas.attention_forward(
+            q, k, v, None, scale, False, 0.0, None, left, right, float(softcap), sinks,
+            cu_seq_q, cu_seq_k, max_q, max_k)
+    except attention_op.SequenceError as error:  # said for the op the caller called
+        raise error.renamed(OP) from None
     return out.squeeze(0).transpose(0, 1)
 
 

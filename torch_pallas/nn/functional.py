@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from torch_pallas.ops.attention import attention
+from torch_pallas.ops.attention import attention, check_arguments
 from torch_pallas.ops.matmul import linear
 
 __all__ = ["linear", "scaled_dot_product_attention"]
+
+SDPA = "torch_pallas.nn.functional.scaled_dot_product_attention"
 
 
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -18,6 +20,8 @@ def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: 
     """`torch.nn.functional.scaled_dot_product_attention` on
     `torch.ops.pallas.attention` (FlashAttention-style Pallas kernels,
     float32 softmax statistics, differentiable, SDPA's dropout when
-    `dropout_p > 0`)."""
+    `dropout_p > 0`). Bad arguments raise naming this function, as torch
+    would."""
+    check_arguments(query, key, value, attn_mask, dropout_p, enable_gqa, op=SDPA)
     return attention(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                      enable_gqa=enable_gqa)

@@ -13,6 +13,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One program at a time holds a TPU: pytest-xdist's workers stay on JAX's
+# CPU backend, and the tests marked `tpu` run where pytest runs them in one
+# process (`pytest -m tpu -n 0`). (This also keeps libtpu, where installed
+# for the compile-only tests, from probing for a chip in every worker.)
+if os.environ.get("PYTEST_XDIST_WORKER") and "JAX_PLATFORMS" not in os.environ:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
 # Inductor's on-disk caches outlive a run and key compiled graphs by the
 # graph, not by a custom op's fake function: a graph compiled by an older
 # checkout would be reused with the old fake's sizes and strides. Each run

@@ -8,8 +8,9 @@ import torch
 from torch_pallas.runtime import backends
 
 # Every backend that runs on this machine's CPU (Triton's under its
-# interpreter, which conftest.py turns on where there is no GPU).
-CPU_BACKENDS = tuple(b.name for b in backends.available("cpu"))
+# interpreter, which conftest.py turns on where there is no GPU); not the
+# chip's (`tpu`: tests/test_tpu_backend.py, one process).
+CPU_BACKENDS = tuple(b.name for b in backends.available("cpu", chips=False))
 
 
 def simulators_exhaustive(names=CPU_BACKENDS, also=()) -> list:

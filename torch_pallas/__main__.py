@@ -47,6 +47,7 @@ def report_environment(device: torch.device) -> None:
         print("  torch devices: cpu (no CUDA)")
     print(f"  jax devices: {', '.join(str(d) for d in jax_env.jax().devices())}")
     print(f"  {cpu_threads()}")
+    print(f"backends here: {', '.join(b.name for b in backends.available(device.type))}")
     requested = backends.requested()
     print(f"default device: {device}; backend: "
           f"{backends.default_for(device).name}"

@@ -21,6 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.padding import as_rows
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 
 
@@ -72,4 +73,4 @@ def add(x, y, out_shape, *, config: AddConfig, num_cores: int, interpret):
     return out.reshape(-1)[:n].reshape(out_shape)
 
 
-KERNEL = KernelSpec(run=add, default_config=AddConfig.default)
+KERNEL = KernelSpec(run=chip.widening_float16(add), default_config=AddConfig.default)

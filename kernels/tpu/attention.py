@@ -50,6 +50,7 @@ from torch_pallas.kernels.attention_shapes import (attention_dims, attention_flo
                                                    attention_operands, dropout_param,
                                                    softcap_param)
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu import attention_blocks as blocks_
 from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot, visible
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
@@ -133,7 +134,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
             empty = l == 0.0
             o_ref[...] = jnp.where(empty, 0.0, acc_vmem[...] / jnp.where(empty, 1.0, l)
                                    ).astype(o_ref.dtype)
-            lse_ref[...] = jnp.where(empty, jnp.inf, m_vmem[...][:, :1] + jnp.log(l))
+            lse_ref[...] = jnp.where(empty, jnp.inf, m_vmem[...][:, :1] + chip.log(l))
 
     e, ev = q_hbm.shape[3], v_hbm.shape[3]
     in_specs = [
@@ -364,7 +365,16 @@ def _dims(avals, params):
     return attention_dims(*shapes[:3], attention_operands(shapes[3:], params).mask)
 
 
+def _masked(avals, params) -> bool:
+    shapes = [shape for shape, _ in avals]
+    return attention_operands(shapes[3:], params).mask is not None
+
+
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
+    if backend == "tpu":
+        return blocks_.chip_config(avals[0][1], masked=_masked(avals, params),
+                                   backward=False, spans=bool(params.get("spans")),
+                                   softcap=bool(params.get("softcap")))
     return blocks_.select_config(backend, _dims(avals, params), params)
 
 
@@ -372,5 +382,5 @@ def flops(avals, params) -> float:
     return attention_flops(_dims(avals, params), bool(params.get("causal", False)))
 
 
-KERNEL = KernelSpec(run=attention, default_config=AttentionConfig.default,
+KERNEL = KernelSpec(run=chip.widening_float16(attention), default_config=AttentionConfig.default,
                     select_config=select_config, unsupported=blocks_.unsupported, flops=flops)

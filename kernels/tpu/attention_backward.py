@@ -50,6 +50,7 @@ from torch_pallas.kernels.attention_shapes import (attention_dims, attention_flo
                                                    attention_operands, dropout_param,
                                                    softcap_param)
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu import attention_blocks as blocks_
 from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot, visible
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
@@ -472,7 +473,16 @@ def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: boo
                interpret=interpret, num_cores=num_cores)
 
 
+def _masked(avals, params) -> bool:
+    shapes = [shape for shape, _ in avals]
+    return attention_operands(shapes[6:], params, backward=True).mask is not None
+
+
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
+    if backend == "tpu":
+        return blocks_.chip_config(avals[0][1], masked=_masked(avals, params),
+                                   backward=True, spans=bool(params.get("spans")),
+                                   softcap=bool(params.get("softcap")))
     return blocks_.select_config(backend, _dims(avals, params), params, backward=True)
 
 
@@ -487,5 +497,5 @@ def flops(avals, params) -> float:
     return 2.5 * attention_flops(_dims(avals, params), bool(params.get("causal", False)))
 
 
-KERNEL = KernelSpec(run=attention_backward, default_config=AttentionConfig.default,
+KERNEL = KernelSpec(run=chip.widening_float16(attention_backward), default_config=AttentionConfig.default,
                     select_config=select_config, unsupported=blocks_.unsupported, flops=flops)

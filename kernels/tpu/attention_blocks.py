@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from torch_pallas.kernels.attention_shapes import AttentionDims
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import cdiv, round_up
+from torch_pallas.kernels.tpu import chip
 
 # Batched body blocks (measured on the 2-core CPU; see batched_blocks).
 # Keys: (up to this many keys, the most keys of a chunk; None: every key at
@@ -67,6 +68,35 @@ def unsupported(backend: str, avals, params) -> str | None:
     return None
 
 
+# Query rows and keys per block on a chip. 128 x 128 (JAX issue 24633: the
+# shipped flash kernel's default, ~7 TFLOP/s on v5e) left v5e's MXU idle.
+# Causal bfloat16 D128 on v5e, B2 H16 L4096 / B1 H16 L8192, forward and
+# backward kernels (ms, bench/tpu_check.py's sweep): 512 x 512 2.60 + 4.75 /
+# 4.54 + 8.37; 1024 x 512 2.26 + 4.47 / 3.79 + 7.61; 512 x 1024 1.85 + 4.49
+# / 3.04 + 7.61; 1024 x 1024 1.66 + 4.24 / 2.69 + 7.15 (splash attention at
+# its best blocks: 1.68 / 2.67 forward, 5.69 / 9.50 both).
+CHIP_BLOCK_Q = 1024
+CHIP_BLOCK_K = 1024
+# Smaller blocks where a kernel holds more in VMEM (Mosaic's 16 MiB): by its
+# load, 1 for 16-bit operands (2 for float32, float16 included: it runs as
+# float32 on the chip), 1 more for each of a mask, key spans (a window,
+# packed sequences), a softcap and the backward. Measured on v5e (compile):
+# 1024 x 1024 fits a load of 2 (bfloat16 backward, float32 or masked
+# bfloat16 forward) and overflows at 3 (17-19 MiB), 512 x 1024 fits 3
+# (float32 backward) and overflows at 4, 512 x 512 fits 4 (masked float32
+# backward); 256 x 512 for more.
+CHIP_BLOCKS_BY_LOAD = {1: (1024, 1024), 2: (1024, 1024), 3: (512, 1024), 4: (512, 512)}
+CHIP_BLOCKS_HEAVIEST = (256, 512)
+
+
+def chip_config(dtype: str, *, masked: bool, backward: bool, spans: bool = False,
+                softcap: bool = False) -> "AttentionConfig":
+    """The chip's blocks for a kernel of this load (CHIP_BLOCKS_BY_LOAD)."""
+    load = (1 if dtype == "bfloat16" else 2) + masked + backward + spans + softcap
+    block_q, block_k = CHIP_BLOCKS_BY_LOAD.get(load, CHIP_BLOCKS_HEAVIEST)
+    return AttentionConfig(Body.PIPELINED, block_q=block_q, block_k=block_k, head_multiple=LANES)
+
+
 class Body(enum.Enum):
     PIPELINED = "pipelined"  # VMEM blocks, emit_pipeline (TPU)
     BATCHED = "batched"  # whole blocks, batched products (generic interpreter, CPU)
@@ -92,6 +122,10 @@ class AttentionConfig:
     def default(cls, backend: str) -> "AttentionConfig":
         if backend == "interpret":
             return cls(Body.BATCHED, None, None)
+        if backend == "tpu":  # the chip: blocks large enough to keep the MXU busy
+            return cls(Body.PIPELINED, block_q=CHIP_BLOCK_Q, block_k=CHIP_BLOCK_K,
+                       head_multiple=LANES)
+        # the simulator: small blocks, quick to simulate, many of them
         return cls(Body.PIPELINED, block_q=128, block_k=128, head_multiple=LANES)
 
 
@@ -278,12 +312,6 @@ def edge_padded(spans, rows: int):
     return jnp.pad(spans.astype(jnp.int32), ((0, rows - spans.shape[0]), (0, 0)), mode="edge")
 
 
-def precision(dtype):
-    """float32 products in full (the MXU's default is one bfloat16 pass,
-    less than torch allows); 16-bit ones natively."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
 def dot(a, b, contract, batch_dims: int = 0):
     """a and b contracted along axes `contract` = (a's, b's) (ints or
     tuples), sharing their first `batch_dims` axes, accumulated in float32."""
@@ -291,7 +319,7 @@ def dot(a, b, contract, batch_dims: int = 0):
     ca, cb = (c if isinstance(c, tuple) else (c,) for c in contract)
     return jax.lax.dot_general(
         a, b, ((ca, cb), (batch, batch)),
-        precision=precision(a.dtype), preferred_element_type=jnp.float32)
+        precision=chip.precision(a.dtype), preferred_element_type=jnp.float32)
 
 
 def mask_block_index(mask_shape, b, h):

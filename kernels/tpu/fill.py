@@ -21,6 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.shapes import cdiv
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import core_index, tensorcore_mesh
 
 
@@ -63,4 +64,4 @@ def fill(shape, value, dtype, *, config: FillConfig, num_cores: int, interpret):
     return out[:n].reshape(shape)
 
 
-KERNEL = KernelSpec(run=fill, default_config=FillConfig.default)
+KERNEL = KernelSpec(run=chip.widening_float16(fill), default_config=FillConfig.default)

@@ -32,13 +32,14 @@ from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import cdiv, round_up
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
-from torch_pallas.kernels.tpu.grouped_mm import HIGHEST, GroupedMatmulConfig
+from torch_pallas.kernels.tpu import chip
+from torch_pallas.kernels.tpu.grouped_mm import GroupedMatmulConfig, chip_config
 from torch_pallas.kernels.tpu.matmul import ONEDNN_16BIT_DOT, ONEDNN_DOT, onednn_takes_16bit
 
 
 def contract_rows(x, y):
     """x.T @ y over their rows, float32 out (float32 in full)."""
-    return jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=HIGHEST,
+    return jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=chip.precision(x.dtype),
                                preferred_element_type=jnp.float32)
 
 
@@ -157,8 +158,8 @@ def grouped_mm_backward(lhs, rhs, ends, *, out_dtype: str, config: GroupedMatmul
     if config.gridless and num_cores == 1:
         return gridless.call(functools.partial(walked_kernel, chunk=config.block_m), out_type,
                              lhs, rhs, ends, interpret=interpret)
-    if config.gridless:
-        config = GroupedMatmulConfig.default("tpu")
+    if config.gridless:  # the CPU's config on a mesh of several cores
+        config = GroupedMatmulConfig.default("tpu_interpret")
     return pipelined(lhs, rhs, ends, out_dtype=out_type.dtype, config=config,
                      num_cores=num_cores, interpret=interpret)
 
@@ -186,5 +187,14 @@ def compiler_options(backend: str, avals, params) -> dict:
     return ONEDNN_16BIT_DOT if onednn_takes_16bit(dtype) else {}
 
 
-KERNEL = KernelSpec(run=grouped_mm_backward, default_config=GroupedMatmulConfig.default,
+def select_config(backend: str, avals, params, device=None) -> GroupedMatmulConfig:
+    """On a chip, its tiles cut to (rows, K, N) (grouped_mm.chip_config)."""
+    if backend == "tpu":
+        (lhs, dtype), (rhs, _), _ = avals
+        return chip_config(lhs[0], rhs[1], lhs[1], dtype)
+    return GroupedMatmulConfig.default(backend)
+
+
+KERNEL = KernelSpec(run=chip.widening_float16(grouped_mm_backward),
+                    default_config=GroupedMatmulConfig.default, select_config=select_config,
                     compiler_options=compiler_options, flops=flops)

@@ -20,6 +20,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.shapes import cdiv
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import core_index, tensorcore_mesh
 
 
@@ -59,4 +60,4 @@ def iota(n, dtype, *, config: IotaConfig, num_cores: int, interpret):
     return out[:n]
 
 
-KERNEL = KernelSpec(run=iota, default_config=IotaConfig.default)
+KERNEL = KernelSpec(run=chip.widening_float16(iota), default_config=IotaConfig.default)

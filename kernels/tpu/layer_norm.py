@@ -27,8 +27,9 @@ from jax.experimental.pallas import tpu as pltpu
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels import shapes
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
-from torch_pallas.kernels.tpu.rms_norm import RowsConfig, row_blocks
+from torch_pallas.kernels.tpu.rms_norm import RowsConfig, row_blocks, select_rows_config
 
 
 def layer_norm_kernel(x_hbm, w_hbm, b_hbm, o_hbm, mean_hbm, rstd_hbm, *, n: int, eps: float,
@@ -79,4 +80,5 @@ def layer_norm(x, weight, bias, *, eps: float, config: RowsConfig, num_cores: in
         rstd[:rows, 0].reshape(lead)
 
 
-KERNEL = KernelSpec(run=layer_norm, default_config=RowsConfig.default)
+KERNEL = KernelSpec(run=chip.widening_float16(layer_norm), default_config=RowsConfig.default,
+                    select_config=select_rows_config)

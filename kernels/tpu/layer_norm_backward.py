@@ -20,8 +20,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
-from torch_pallas.kernels.tpu.rms_norm import RowsConfig, row_blocks
+from torch_pallas.kernels.tpu.rms_norm import RowsConfig, row_blocks, select_rows_config
 from torch_pallas.kernels.tpu.rms_norm_backward import SUBLANES
 
 
@@ -75,4 +76,5 @@ def layer_norm_backward(grad_out, x, mean, rstd, weight, *, config: RowsConfig, 
     return dx[:rows, :n], dw[:, :n].sum(axis=0), db[:, :n].sum(axis=0)
 
 
-KERNEL = KernelSpec(run=layer_norm_backward, default_config=RowsConfig.default)
+KERNEL = KernelSpec(run=chip.widening_float16(layer_norm_backward), default_config=RowsConfig.default,
+                    select_config=select_rows_config)

@@ -31,6 +31,7 @@ from torch_pallas.kernels.cross_entropy import capped, row_loss
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import round_up
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 
 LANES = 128
@@ -98,7 +99,7 @@ def loss_kernel(z_hbm, t_hbm, loss_hbm, lse_hbm, *, m_vmem, s_vmem, zt_vmem, zsu
 
         @pl.when(j == grid[1] - 1)
         def _():
-            lse = m_vmem[...][:, :1] + jnp.log(s_vmem[...][:, :1])
+            lse = m_vmem[...][:, :1] + chip.log(s_vmem[...][:, :1])
             loss = row_loss(lse, zt_vmem[...][:, :1], zsum_vmem[...][:, :1], vocab=vocab,
                             smoothing=smoothing)
             loss_ref[...] = jnp.where(t_ref[...] >= 0, loss, 0.0)
@@ -131,4 +132,4 @@ def linear_cross_entropy(logits, target, *, smoothing: float, softcap: float,
     return loss[:rows, 0], lse[:rows, 0]
 
 
-KERNEL = KernelSpec(run=linear_cross_entropy, default_config=LogitBlocksConfig.default)
+KERNEL = KernelSpec(run=chip.widening_float16(linear_cross_entropy), default_config=LogitBlocksConfig.default)

@@ -23,6 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 from torch_pallas.kernels.cross_entropy import capped, logit_gradient
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 from torch_pallas.kernels.tpu.linear_cross_entropy import LogitBlocksConfig, column_index
 
@@ -70,4 +71,4 @@ def linear_cross_entropy_backward(logits, target, lse, scale, *, smoothing: floa
     return dz[:rows, :vocab]
 
 
-KERNEL = KernelSpec(run=linear_cross_entropy_backward, default_config=LogitBlocksConfig.default)
+KERNEL = KernelSpec(run=chip.widening_float16(linear_cross_entropy_backward), default_config=LogitBlocksConfig.default)

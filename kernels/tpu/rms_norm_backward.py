@@ -27,8 +27,9 @@ from torch_pallas.kernels import rms_norm_math
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.rms_norm_casting import Casting
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
-from torch_pallas.kernels.tpu.rms_norm import RowsConfig, row_blocks
+from torch_pallas.kernels.tpu.rms_norm import RowsConfig, row_blocks, select_rows_config
 
 SUBLANES = 8  # the rows of one share of dw: a whole (8, 128) tile row
 
@@ -100,4 +101,5 @@ def rms_norm_backward(grad_out, x, rstd, weight=None, *, casting: Casting = Cast
     return dx, outs[1][:, :n].sum(axis=0).astype(weight.dtype)
 
 
-KERNEL = KernelSpec(run=rms_norm_backward, default_config=RowsConfig.default)
+KERNEL = KernelSpec(run=chip.widening_float16(rms_norm_backward), default_config=RowsConfig.default,
+                    select_config=select_rows_config)

@@ -36,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from torch_pallas.kernels.padding import pad_to
 from torch_pallas.kernels.shapes import round_up
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 
 SUBLANES = 8
@@ -53,6 +54,22 @@ class RotaryConfig:
             return cls(block_tokens=None)
         # 16 tokens x 32 heads x 128 float32 features: 256 KiB per q block
         return cls(block_tokens=16)
+
+
+# A chip's block: about this many bytes of q per block; 16 tokens (the
+# simulator's) move 256 KiB of float32 q a step at 32 heads of 128.
+CHIP_BLOCK_BYTES = 2**20
+
+
+def select_config(backend: str, avals, params, device=None) -> RotaryConfig:
+    """On a chip, tokens per block for CHIP_BLOCK_BYTES of q (8 to 1024,
+    whole sublanes)."""
+    if backend != "tpu":
+        return RotaryConfig.default(backend)
+    (n1, heads, _, d), dtype = avals[0]
+    itemsize = 2 if dtype == "bfloat16" else 4  # float16 runs as float32 on a chip
+    tokens = CHIP_BLOCK_BYTES // max(heads * d * itemsize, 1)
+    return RotaryConfig(block_tokens=max(SUBLANES, min(1024, tokens) // SUBLANES * SUBLANES))
 
 
 def rotate(x1, x2, c1, c2, s1, s2, *, transpose: bool):
@@ -166,4 +183,5 @@ def rotary_embedding(q, k, cos, sin, *, config: RotaryConfig, num_cores: int, in
     return blocks.cut(qo), blocks.cut(ko)
 
 
-KERNEL = KernelSpec(run=rotary_embedding, default_config=RotaryConfig.default)
+KERNEL = KernelSpec(run=chip.widening_float16(rotary_embedding), default_config=RotaryConfig.default,
+                    select_config=select_config)

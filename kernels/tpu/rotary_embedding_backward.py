@@ -10,8 +10,10 @@ from __future__ import annotations
 import functools
 
 from torch_pallas.kernels.spec import KernelSpec
-from torch_pallas.kernels.tpu.rotary_embedding import RotaryConfig, rotary_embedding
+from torch_pallas.kernels.tpu import chip
+from torch_pallas.kernels.tpu.rotary_embedding import RotaryConfig, rotary_embedding, select_config
 
 rotary_embedding_backward = functools.partial(rotary_embedding, transpose=True)
 
-KERNEL = KernelSpec(run=rotary_embedding_backward, default_config=RotaryConfig.default)
+KERNEL = KernelSpec(run=chip.widening_float16(rotary_embedding_backward),
+                    default_config=RotaryConfig.default, select_config=select_config)

@@ -17,9 +17,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.spec import KernelSpec
+from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.add import AddConfig as ElementwiseConfig
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
-from torch_pallas.kernels.tpu.swiglu import elementwise_blocks, sigmoid
+from torch_pallas.kernels.tpu.swiglu import elementwise_blocks, select_config, sigmoid
 
 
 def swiglu_backward_kernel(dy_hbm, gate_hbm, up_hbm, dgate_hbm, dup_hbm, *, block, num_cores):
@@ -56,4 +57,5 @@ def swiglu_backward(grad_out, gate, up, *, config: ElementwiseConfig, num_cores:
     return cut(dgate), cut(dup)
 
 
-KERNEL = KernelSpec(run=swiglu_backward, default_config=ElementwiseConfig.default)
+KERNEL = KernelSpec(run=chip.widening_float16(swiglu_backward),
+                    default_config=ElementwiseConfig.default, select_config=select_config)

@@ -10,12 +10,17 @@ backend                     kernels      runs where
 ``interpret``               tpu          CPU, JAX's generic interpreter (default)
 ``mosaic_gpu_interpret``    mosaic_gpu   CPU, Mosaic GPU interpret mode
 ``tpu_interpret``           tpu          CPU, TPU interpret mode (2 TensorCores)
+``tpu``                     tpu          CPU tensors, run on the TPU JAX sees
 ==========================  ===========  ==========================================
 
 The default comes from the device (CPU: ``interpret``; CUDA: ``mosaic_gpu``
 on Hopper and newer, ``triton`` before). ``TORCH_PALLAS_BACKEND=name`` or
 ``with torch_pallas.backend(name):`` choose one explicitly; an explicit
 choice that cannot serve a call raises, it never falls back.
+
+``tpu`` is chosen explicitly only: a CPU tensor's call then runs on the
+machine's TPU (the kernels compiled by Mosaic for the chip), its operands
+copied host -> TPU and its results TPU -> host on every call.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class Backend:
                     "num_cores": jax_env.SIMULATED_TPU_CORES}
         if self.name == "mosaic_gpu_interpret":
             return {"interpret": jax_env.gpu_interpret_params(detect_races=detect_races)}
+        if self.name == "tpu":  # the chip's TensorCores
+            return {"interpret": None, "num_cores": getattr(_jax_tpu(), "num_cores", 1) or 1}
         if self.family == "triton":
             return {} if takes_inputs else {"device": device}
         return {"interpret": None}  # the hardware
@@ -82,6 +89,7 @@ BACKENDS: dict[str, Backend] = {
         Backend("tpu_interpret", "tpu", "cpu", simulated=True),
         Backend("mosaic_gpu", "mosaic_gpu", "cuda", simulated=False),
         Backend("triton", "triton", "cuda", simulated=False),
+        Backend("tpu", "tpu", "cpu", simulated=False),
     )
 }
 
@@ -155,6 +163,25 @@ def _cuda_index(device: torch.device) -> int:
 
 
 @functools.cache
+def _jax_tpu_or_error():
+    """(the first TPU device JAX sees, None) or (None, why there is none)."""
+    try:
+        return jax_env.jax().devices("tpu")[0], None
+    except RuntimeError as e:
+        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _jax_tpu():
+    return _jax_tpu_or_error()[0]
+
+
+def has_tpu() -> bool:
+    """Whether JAX sees a TPU here (initialising JAX's TPU backend, which
+    holds the chip for this process)."""
+    return _jax_tpu() is not None
+
+
+@functools.cache
 def _jax_has_gpu() -> bool:
     try:
         return bool(jax_env.jax().devices("gpu"))
@@ -172,16 +199,18 @@ def default_for(device: torch.device) -> Backend:
     return BACKENDS["interpret"]
 
 
-def available(device_type: str) -> list[Backend]:
+def available(device_type: str, *, chips: bool = True) -> list[Backend]:
     """The backends that can run on this machine's `device_type` tensors
     (the benchmarks time each): on CUDA the device's own, on CPU the
     interpreter and both simulators (and Triton's interpreter when it is
-    on)."""
+    on), and with `chips` the TPU where JAX sees one (`tpu`: asking
+    initialises JAX's TPU backend, which holds the chip)."""
     if device_type == "cuda":
         major, _ = _cuda_capability(torch.cuda.current_device())
         return [BACKENDS[n] for n in (["mosaic_gpu"] if major >= 9 else []) + ["triton"]]
     names = ["interpret", "tpu_interpret", "mosaic_gpu_interpret"]
-    return [BACKENDS[n] for n in names + (["triton"] if triton_kernels.interpreting() else [])]
+    names += ["triton"] if triton_kernels.interpreting() else []
+    return [BACKENDS[n] for n in names + (["tpu"] if chips and has_tpu() else [])]
 
 
 @functools.cache
@@ -202,6 +231,12 @@ def check_serves(b: Backend, device: torch.device, op: str) -> None:
         raise BackendError(
             f"{op}: backend 'triton' runs CPU tensors only under "
             "TRITON_INTERPRET=1 (got a tensor on cpu)"
+        )
+    if b.name == "tpu" and device.type == "cpu" and _jax_tpu() is None:
+        raise BackendError(
+            f"{op}: backend 'tpu' runs on the TPU JAX sees, and JAX sees none here "
+            f"(jax.devices('tpu'): {_jax_tpu_or_error()[1]}); on a TPU machine install "
+            "jax[tpu]"
         )
     if device.type != b.device_type:
         raise BackendError(
@@ -256,9 +291,16 @@ def traces_to_triton(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def jax_device(device: torch.device, backend: Backend | None = None):
+    """The JAX device that runs `backend`'s kernels for torch `device`: the
+    TPU for the `tpu` backend, else the device's own."""
+    if backend is not None and backend.name == "tpu":
+        return _jax_tpu()
+    return _jax_device(device)
+
+
 @functools.cache
-def jax_device(device: torch.device):
-    """The JAX device that runs kernels for torch `device`."""
+def _jax_device(device: torch.device):
     jax = jax_env.jax()
     if device.type == "cpu":
         return jax.devices("cpu")[0]

@@ -288,6 +288,14 @@ def to_torch(array) -> torch.Tensor:
     return _exporter()(array)
 
 
+def device_to_torch(array) -> torch.Tensor:
+    """A CPU torch tensor holding a copy of the JAX array `array`, which
+    lives on a device torch does not see (a TPU): copied to JAX's CPU
+    device, then shared with torch as `to_torch` does."""
+    jax = jax_env.jax()
+    return to_torch(jax.device_put(array, jax.devices("cpu")[0]))
+
+
 def cpu_to_torch():
     """`to_torch` for arrays known to be on a CPU (a CPU kernel's results),
     without the per-call check of their device."""

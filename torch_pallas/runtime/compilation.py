@@ -42,19 +42,20 @@ def build(entry: Callable, avals: Avals, options: Mapping[str, Any], backend: Ba
     if backend.compiles_for_calling_thread(device) and _may_run_synchronously(avals, flops):
         synchronous = jax_env.synchronous_cpu_device()
     clients = ([("synchronous", synchronous.client)] if synchronous is not None else []) + [
-        ("jax", backends.jax_device(device).client)]
+        ("jax", backends.jax_device(device, backend).client)]
     if identity is not None:
         for kind, client in clients:
             found = disk_cache.load(disk_cache.digest((identity, kind)), client)
             if found is not None:
                 return found
-    compiled, kind = _build(entry, avals, options, device, synchronous)
+    compiled, kind = _build(entry, avals, options, backends.jax_device(device, backend),
+                            synchronous)
     if identity is not None:
         disk_cache.store(disk_cache.digest((identity, kind)), compiled)
     return compiled
 
 
-def _build(entry, avals, options, device, synchronous):
+def _build(entry, avals, options, target, synchronous):
     """(compiled, which client runs it: "synchronous" or "jax")."""
     if synchronous is not None:
         try:
@@ -63,7 +64,7 @@ def _build(entry, avals, options, device, synchronous):
                 return compile_lowered(lowered, options), "synchronous"
         except Exception:  # a JAX that cannot build for a second client
             pass
-    return compile_lowered(lower(entry, avals, backends.jax_device(device)), options), "jax"
+    return compile_lowered(lower(entry, avals, target), options), "jax"
 
 
 def lower(entry: Callable, avals: Avals, jax_device):

@@ -105,7 +105,7 @@ def _entry(op: str, backend: Backend, device: torch.device, avals, params,
         bound = {"interpret": execution["interpret"]} if "interpret" in takes else {}
         return functools.partial(user_function, **params, **bound), {}, None
     backend, spec = _shipped_kernel(op, backend, device, avals, params)
-    target = None if backend.family == "triton" else backends.jax_device(device)
+    target = None if backend.family == "triton" else backends.jax_device(device, backend)
     config = spec.config(backend.name, avals, params, target)
     entry = functools.partial(spec.run, **params, config=config, **execution)
     return entry, spec.options(backend.name, avals, params), spec.work(avals, params)
@@ -261,6 +261,9 @@ def run(
     backend, kernel, key = compiled_kernel(op, device, inputs, params, user_function, signature)
     if backend.family == "triton":
         return kernel(*inputs)
+    if backend.name == "tpu":  # CPU tensors, to the chip and back
+        return _to_torch(kernel(*[bridge.to_kernel_argument(t) for t in inputs]),
+                         bridge.device_to_torch)
     if not backend.simulated:
         if device.type != "cpu":
             return _run_compiled(kernel, *inputs)
@@ -325,7 +328,7 @@ def _found_kernel(op, device, inputs, params):
     if compile_path.tracing_triton():
         return None
     backend, kernel, _ = compiled_kernel(op, device, inputs, params)
-    if backend.family == "triton" or backend.simulated:
+    if backend.family == "triton" or backend.simulated or backend.name == "tpu":
         return None
     return kernel
 

@@ -1,0 +1,120 @@
+"""What a TPU chip takes, for the TPU kernels run on one (`interpret=None`):
+the precision of its matrix unit's products, the dtypes its vector unit
+loads, and its memory, from which block sizes are chosen.
+
+- Products (`precision`): bfloat16 at the MXU's native precision (one pass,
+  float32 accumulation through `preferred_element_type`); Mosaic refuses a
+  bfloat16 dot at HIGHEST ("Bad lhs type", v5e and v6e). float32 at
+  HIGHEST: the MXU's default for float32 is one bfloat16 pass, less than
+  torch allows at any float32 matmul precision.
+- float16 (`widening_float16`): Mosaic cannot load float16 vectors on v5e
+  and v6e ("Invalid vector type for load"), so on a chip a kernel's float16
+  operands are widened to float32 before it runs and its float16 results
+  narrowed after, outside the kernel: twice the bytes read and written, and
+  float32 products (several MXU passes) where bfloat16 would take one. The
+  simulators keep float16 as it is.
+- Memory (`info`): the chip of a JAX device by its device kind
+  (`pltpu.get_tpu_info_for_chip`), for kernels sizing their blocks to its
+  VMEM (`vmem_budget`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+# JAX's device kinds of the chips, oldest first.
+_KINDS = {
+    "TPU v4": "TPU_V4",
+    "TPU v5 lite": "TPU_V5E",
+    "TPU v5e": "TPU_V5E",
+    "TPU v5": "TPU_V5P",
+    "TPU v5p": "TPU_V5P",
+    "TPU v6 lite": "TPU_V6E",
+    "TPU v6e": "TPU_V6E",
+    "TPU7x": "TPU_7X",
+}
+# Mosaic's own default limit on the VMEM a kernel's blocks and scratch take
+# (scoped VMEM), v5e's: the budget when the chip is unknown.
+DEFAULT_VMEM_BUDGET = 16 * 2**20
+
+
+def precision(dtype):
+    """The dot precision for operands of `dtype` (see the module's docstring)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+@functools.cache
+def info(device_kind: str | None):
+    """`pltpu.TpuInfo` of the chip of that device kind (per TensorCore), or
+    None for a device that is not a TPU chip JAX describes."""
+    name = _KINDS.get(device_kind or "")
+    version = getattr(pltpu.ChipVersion, name, None) if name else None
+    if version is None:
+        return None
+    try:
+        return pltpu.get_tpu_info_for_chip(version, 1)
+    except (ValueError, NotImplementedError):
+        return None
+
+
+def device_kind(device) -> str | None:
+    return getattr(device, "device_kind", None)
+
+
+def vmem_budget(device) -> int:
+    """Bytes of VMEM a kernel's double-buffered blocks and scratch may take
+    on `device`: Mosaic's default scoped limit (16 MiB: the kernels pass no
+    `vmem_limit_bytes`), less where the chip's VMEM is smaller."""
+    chip = info(device_kind(device))
+    if chip is None:
+        return DEFAULT_VMEM_BUDGET
+    return min(DEFAULT_VMEM_BUDGET, chip.vmem_capacity_bytes // 4)
+
+
+def log(x):
+    """log(x) for x > 0 to about exp's accuracy: one Newton step on
+    exp(y) = x from jnp.log's value, y + x * exp(-y) - 1. On v5e float32 log
+    is off by up to 1.1e-4 (absolute; XLA's too) and exp by 4.6e-6
+    (relative), measured against float64 (2026-12-06): a softmax's log-sum-
+    exp taken with log alone moved every probability a backward recomputes
+    from it by 1e-4. Its cost: one exp per row, where it takes a row's sum."""
+    y = jnp.log(x)
+    return y + x * jnp.exp(-y) - 1.0
+
+
+def _float16(x) -> bool:
+    return hasattr(x, "dtype") and jnp.dtype(x.dtype) == jnp.float16
+
+
+def _widened_parameter(value):
+    """A static parameter naming float16 (an output dtype) as float32."""
+    if isinstance(value, str) and value == "float16":
+        return "float32"
+    if value is jnp.float16 or (isinstance(value, jnp.dtype) and value == jnp.float16):
+        return jnp.dtype(jnp.float32)
+    return value
+
+
+def widening_float16(run):
+    """A TPU kernel's entry point that, on a chip (`interpret=None`), takes
+    float16 operands through float32 (see the module's docstring); the
+    results have the dtypes the kernel gives for float16."""
+
+    @functools.wraps(run)
+    def run_on_chip(*inputs, interpret, **params):
+        if interpret is not None or not (any(map(_float16, inputs))
+                                         or any(_widened_parameter(v) is not v
+                                                for v in params.values())):
+            return run(*inputs, interpret=interpret, **params)
+        expected = jax.eval_shape(functools.partial(run, interpret=interpret, **params),
+                                  *inputs)
+        wide = [x.astype(jnp.float32) if _float16(x) else x for x in inputs]
+        out = run(*wide, interpret=interpret,
+                  **{k: _widened_parameter(v) for k, v in params.items()})
+        return jax.tree.map(lambda o, e: o.astype(e.dtype), out, expected)
+
+    return run_on_chip

@@ -1,0 +1,107 @@
+"""Every TPU-family kernel build compiled by Mosaic for a real chip's
+description (TPU v5e, v6e) on this CPU machine, with libtpu's compile-only
+client: no chip needed.
+
+The simulators check the kernels' values and races, tests/test_tpu_lowering.py
+that they lower to Mosaic custom calls; only Mosaic's compiler checks
+their tilings, vector layouts and VMEM against a chip, and kernels that pass
+every simulated test can fail it. tests/tpu_builds.py records the builds each
+registered op makes (its examples, and realistic LLM-sized calls in every
+dtype it accepts, forward and backward) without computing them, and
+compiles each; it runs in a subprocess per (op, tier), since libtpu's
+settings must be in the environment before JAX starts and must stay out of
+the other tests' processes. Each op's subprocess compiles for both chips
+once; the op's cases share it (one xdist group per op and tier, so one
+worker runs them).
+
+One case per (op, chip, tier): the default tier holds the op's examples and
+one realistic shape per dtype, compiled for v5e in the default run (for
+v6e with -m exhaustive); `exhaustive` (pytest -m exhaustive) the other
+realistic shapes, for both chips. A case fails with the list of every build that did
+not compile (kernel, inputs, parameters, the error's first line). Skipped
+where libtpu is not installed; a chip libtpu cannot describe is skipped
+with its error.
+
+Cost (2-core VM, 2026-12): the default run's v5e builds ~2.5 minutes of
+one core, 2-25 s per op (attention, varlen_attention and grouped_mm the
+longest); v6e's and the exhaustive tier ~6 minutes more (matmul's large
+squares, the attention variants). The whole table at once: python bench/tpu_compile_report.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+
+import pytest
+
+from torch_pallas.runtime import registry
+
+import tpu_builds
+
+pytestmark = pytest.mark.skipif(not tpu_builds.libtpu_installed(), reason="libtpu not installed")
+
+TIMEOUT_S = {"default": 900, "exhaustive": 3600}
+
+
+# The chip the default run compiles for (the one within reach: v5e, the
+# smaller VMEM); the others' cases run with -m exhaustive.
+DEFAULT_CHIP = "v5e"
+
+
+@functools.cache
+def compiled(op: str, tier: str, chips: tuple[str, ...]) -> dict:
+    """tpu_builds.report for op's calls in `tier`, compiled for `chips`;
+    {"crashed": why} where the subprocess failed (kept, so that the op's
+    other chips do not run it again)."""
+    try:
+        return tpu_builds.run_subprocess(op, tier, chips=chips, timeout=TIMEOUT_S[tier])
+    except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:  # ValueError: bad JSON
+        return {"crashed": f"{type(e).__name__}: {e}"}
+
+
+def _chips(chip: str, tier: str) -> tuple[str, ...]:
+    """The chips one subprocess compiles for, with `chip` among them: the
+    default run's alone, or every other chip together."""
+    if tier == "default" and chip == DEFAULT_CHIP:
+        return (DEFAULT_CHIP,)
+    return tuple(c for c in tpu_builds.CHIPS if tier != "default" or c != DEFAULT_CHIP)
+
+
+def cases():
+    for info in registry.ops():
+        for tier in tpu_builds.tiers_of(info.name):
+            for chip in tpu_builds.CHIPS:
+                chips = _chips(chip, tier)
+                marks = [pytest.mark.xdist_group(f"tpu_compile-{info.name}-{tier}-{chips}")]
+                if tier == "exhaustive" or chip != DEFAULT_CHIP:
+                    marks.append(pytest.mark.exhaustive)
+                yield pytest.param(info.name, chip, tier, marks=marks,
+                                   id=f"{info.name}-{chip}-{tier}")
+
+
+@pytest.mark.parametrize("op, chip, tier", list(cases()))
+def test_builds_compile_for_tpu(op, chip, tier, record_property):
+    result = compiled(op, tier, _chips(chip, tier))
+    if "crashed" in result:
+        pytest.fail(f"{op}: recording or compiling its builds failed: {result['crashed']}",
+                    pytrace=False)
+    state = result["chips"][chip]
+    if "unavailable" in state:
+        pytest.skip(f"libtpu cannot describe a {chip}: {state['unavailable']}")
+    record_property("record_seconds", round(result["record_seconds"], 2))
+    record_property("compile_seconds", round(state["seconds"], 2))
+    errors = [f"  {e['case']} [{e['dtype']}]: {e['error']}\n{e['traceback']}"
+              for e in result["record_errors"]]
+    if errors:
+        pytest.fail(f"{op}: calls that failed before their kernels:\n" + "\n".join(errors),
+                    pytrace=False)
+    builds = result["builds"]
+    assert builds, f"{op}: its calls in the {tier} tier made no kernel call"
+    failed = [b for b in builds if b["results"][chip]["status"] == "error"]
+    if failed:
+        pytest.fail(
+            f"{op}: {len(failed)} of {len(builds)} builds fail Mosaic's compile for "
+            f"{state['device_kind']} ({chip}):\n" + "\n".join(
+                f"  {b['describe']} [{b['dtype']}; {', '.join(b['cases'])}]: "
+                f"{b['results'][chip]['error']}" for b in failed), pytrace=False)

@@ -14,16 +14,16 @@ the other tests' processes. Each op's subprocess compiles for both chips
 once; the op's cases share it (one xdist group per op and tier, so one
 worker runs them).
 
-One case per (op, chip, tier): the default tier holds the op's examples and
-one realistic shape per dtype, compiled for v5e in the default run (for
-v6e with -m exhaustive); `exhaustive` (pytest -m exhaustive) the other
-realistic shapes, for both chips. A case fails with the list of every build that did
+One case per (op, chip, tier): the default tier holds the op's examples (in
+every dtype) and its realistic shapes in bfloat16, compiled for v5e in the
+default run (for v6e with -m exhaustive); `exhaustive` (pytest -m
+exhaustive) the other dtypes and the larger shapes, for both chips. A case fails with the list of every build that did
 not compile (kernel, inputs, parameters, the error's first line). Skipped
 where libtpu is not installed; a chip libtpu cannot describe is skipped
 with its error.
 
-Cost (2-core VM, 2026-12): the default run's v5e builds ~2.5 minutes of
-one core, 2-25 s per op (attention, varlen_attention and grouped_mm the
+Cost (2-core VM, 2026-12): the default run's v5e builds ~2 minutes of
+one core (80 s with two workers), 4-14 s per op (grouped_mm, attention and varlen the
 longest); v6e's and the exhaustive tier ~6 minutes more (matmul's large
 squares, the attention variants). The whole table at once: python bench/tpu_compile_report.py.
 """

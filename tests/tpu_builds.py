@@ -21,9 +21,10 @@ while recording: a chip gets each call's own sizes, not the CPU's padded ones.
 
 The calls of an op: its registered examples (`registry.get(op).examples`),
 and realistic LLM-sized calls (`REALISTIC`) in every dtype the op accepts
-(the op module's `DTYPES`). A case marked `exhaustive` runs only in the
-`exhaustive` tier; every op keeps its examples and one realistic shape per
-dtype in the `default` tier.
+(the op module's `DTYPES`). The `default` tier holds the examples and each
+unmarked realistic case in bfloat16 (the dtype models train in; the first
+dtype of an op without it); the `exhaustive` tier the other dtypes and the
+cases marked `exhaustive`.
 
 Run as a script, in a process of its own: libtpu's settings (`LIBTPU_ENV`)
 must be in the environment before JAX starts, and must not reach the other
@@ -298,10 +299,26 @@ def op_dtypes(op: str) -> tuple:
     return module.DTYPES
 
 
+# The dtype models train in: the default tier's realistic calls are in it
+# alone (where the op takes it), the other dtypes' in the exhaustive tier
+# (the examples, in the default tier, cover every dtype at small sizes).
+DEFAULT_DTYPE = "bfloat16"
+
+
+def _realistic_calls(op: str):
+    """(case, dtype, tier) of each realistic call of `op`."""
+    for case in REALISTIC.get(op, ()):
+        dtypes = case.dtypes or op_dtypes(op)
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        for dtype, name in zip(dtypes, names):
+            first = name == DEFAULT_DTYPE or (DEFAULT_DTYPE not in names and name == names[0])
+            yield case, dtype, "default" if first and not case.exhaustive else "exhaustive"
+
+
 def tiers_of(op: str) -> tuple[str, ...]:
     """The tiers that hold calls of `op`: default always, exhaustive where
-    some realistic case is marked so."""
-    if any(case.exhaustive for case in REALISTIC.get(op, ())):
+    some realistic call is there."""
+    if any(tier == "exhaustive" for *_, tier in _realistic_calls(op)):
         return ("default", "exhaustive")
     return ("default",)
 
@@ -322,11 +339,10 @@ def calls(op: str, tier: str) -> list[tuple[str, str | None, Callable]]:
             for example in info.examples(torch.device("cpu"), True):
                 _backward(*_as_tuple(info.overload(*example.args, **example.kwargs)))
         out.append(("examples", None, examples))
-    for case in REALISTIC.get(op, ()):
-        if tier == "all" or case.exhaustive == (tier == "exhaustive"):
-            for dtype in case.dtypes or op_dtypes(op):
-                out.append((case.name, str(dtype).removeprefix("torch."),
-                            functools.partial(case.call, dtype)))
+    for case, dtype, its_tier in _realistic_calls(op):
+        if tier in ("all", its_tier):
+            out.append((case.name, str(dtype).removeprefix("torch."),
+                        functools.partial(case.call, dtype)))
     return out
 
 

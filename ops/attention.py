@@ -233,7 +233,7 @@ def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
 
 # --- the forward op --------------------------------------------------------
 
-def _params(scale: float, is_causal: bool, dropout_p: float = 0.0, spans: bool = False,
+def kernel_params(scale: float, is_causal: bool, dropout_p: float = 0.0, spans: bool = False,
             softcap: float = 0.0, span_width: int = 0) -> dict:
     """The kernels' static parameters; `dropout_p`, `spans`, `softcap` and
     `span_width` only when used, so that a call without them is the same
@@ -250,7 +250,7 @@ def _params(scale: float, is_causal: bool, dropout_p: float = 0.0, spans: bool =
     return params
 
 
-def _span_width(is_causal: bool, window_left: int, window_right: int) -> int:
+def span_width(is_causal: bool, window_left: int, window_right: int) -> int:
     """The widest span a window allows (left + right + 1 keys, a causal rule
     folded in), 0 where a side is unbounded."""
     if is_causal:
@@ -262,25 +262,34 @@ def _span_width(is_causal: bool, window_left: int, window_right: int) -> int:
 
 # --- windows, packed sequences, softcap and sinks ---------------------------
 
-def _windowed(window_left: int, window_right: int, cu_seq_q) -> bool:
-    return cu_seq_q is not None or window_left >= 0 or window_right >= 0
+def span_rule(is_causal: bool, window_left: int, window_right: int,
+              packed: bool) -> tuple[str | None, int, int, bool]:
+    """What the kernels take for a window or packed sequences: (the key
+    spans to build: None, "window" or "sequences"; the window's left and
+    right with a causal rule folded in (SDPA's top-left alignment); the
+    kernels' causal flag). Without either, no spans and the causal rule as
+    it is. The torch op and torch_pallas.jax build the spans it names, each
+    with its own arrays."""
+    if not (packed or window_left >= 0 or window_right >= 0):
+        return None, window_left, window_right, is_causal
+    if is_causal:
+        window_right = 0 if window_right < 0 else min(window_right, 0)
+    if packed:
+        return "sequences", window_left, window_right, False
+    if window_left < 0 and window_right == 0:  # plain causal: no spans needed
+        return None, window_left, window_right, True
+    return "window", window_left, window_right, False
 
 
 def _spans(q, k, is_causal, window_left, window_right, cu_seq_q, cu_seq_k):
-    """(spans (L, 2) or None, causal): a window or packed sequences as the
-    kernels' key spans, a causal rule folded into them (SDPA's top-left
-    alignment); without either, no spans and the causal rule as it is."""
-    if not _windowed(window_left, window_right, cu_seq_q):
-        return None, is_causal
-    if is_causal:
-        window_right = 0 if window_right < 0 else min(window_right, 0)
-    if cu_seq_q is None:
-        if window_left < 0 and window_right == 0:  # plain causal: no spans needed
-            return None, True
-        return attention_spans.window_spans(q.shape[2], k.shape[2], window_left, window_right,
-                                            q.device), False
-    return attention_spans.sequence_spans(cu_seq_q, cu_seq_k, q.shape[2], window_left,
-                                          window_right), False
+    """(spans (L, 2) or None, causal): span_rule's spans, built."""
+    which, left, right, causal = span_rule(is_causal, window_left, window_right,
+                                           cu_seq_q is not None)
+    if which == "window":
+        return attention_spans.window_spans(q.shape[2], k.shape[2], left, right, q.device), causal
+    if which == "sequences":
+        return attention_spans.sequence_spans(cu_seq_q, cu_seq_k, q.shape[2], left, right), causal
+    return None, causal
 
 
 class SequenceError(ValueError):
@@ -408,8 +417,8 @@ def _forward_values(q, k, v, mask, scale, is_causal, dropout_p, seed, window_lef
     inputs = ((q, k, v) + (() if mask is None else (mask,)) + (() if spans is None else (spans,))
               + dropping)
     out, lse = launch.run("attention", q.device, inputs,
-                          _params(scale, causal, dropout_p, spans is not None, softcap,
-                                  _span_width(is_causal, window_left, window_right)))
+                          kernel_params(scale, causal, dropout_p, spans is not None, softcap,
+                                  span_width(is_causal, window_left, window_right)))
     out, lse = _unpadded(out, length), _unpadded(lse, length)
     return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
 
@@ -584,8 +593,8 @@ def backward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tables = () if spans is None else (spans, attention_spans.key_spans(spans, k.shape[2]))
     inputs = (q, k, v, out, grad_out, lse) + (() if mask is None else (mask,)) + tables + dropping
     dq, dk, dv = launch.run("attention_backward", q.device, inputs,
-                            _params(scale, causal, dropout_p, spans is not None, softcap,
-                                    _span_width(is_causal, window_left, window_right)))
+                            kernel_params(scale, causal, dropout_p, spans is not None, softcap,
+                                    span_width(is_causal, window_left, window_right)))
     return _unpadded(dq, length), _unpadded(dk, kv_length), _unpadded(dv, kv_length)
 
 

@@ -24,7 +24,7 @@ LAYERS = (
     ("torch_pallas.runtime",),
     ("torch_pallas.library",),
     ("torch_pallas.ops", "torch_pallas.custom_ops"),
-    ("torch_pallas.nn", "torch_pallas.distributed"),
+    ("torch_pallas.nn", "torch_pallas.distributed", "torch_pallas.jax"),
     ("torch_pallas.transformers",),  # model patching, on nn's layers and replace_linear
     ("torch_pallas",),  # the public API and the environment report (__main__)
 )

@@ -21,7 +21,8 @@ The package in layers, each importing only the layers below it
 - `torch_pallas.ops` (ops/): the shipped ops, one file each; `custom_ops/`:
   users' JAX functions as ops (`custom_op`);
 - integrations, on the ops: `nn/` (layers and `replace_linear`),
-  `distributed/`; above `nn/`, `transformers/` (`attn_implementation=
+  `distributed/`, `jax/` (`torch_pallas.jax`: the ops as functions of JAX
+  arrays, on the same kernels); above `nn/`, `transformers/` (`attn_implementation=
   "pallas"`, and `apply`, which puts a model on every op);
 - this module and `__main__` (the environment report) on top.
 """

@@ -22,6 +22,7 @@ import torch
 
 from torch_pallas.base import dtypes, jax_env
 from torch_pallas.base.errors import BackendError, add_note
+from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.runtime import (backends, bridge, compilation, compile_cache, compile_path,
                                   registry, simulators)
 from torch_pallas.runtime.backends import Backend
@@ -106,9 +107,19 @@ def _entry(op: str, backend: Backend, device: torch.device, avals, params,
         return functools.partial(user_function, **params, **bound), {}, None
     backend, spec = _shipped_kernel(op, backend, device, avals, params)
     target = None if backend.family == "triton" else backends.jax_device(device, backend)
-    config = spec.config(backend.name, avals, params, target)
-    entry = functools.partial(spec.run, **params, config=config, **execution)
+    entry = shipped_entry(spec, backend, target, avals, params, execution)
     return entry, spec.options(backend.name, avals, params), spec.work(avals, params)
+
+
+def shipped_entry(spec: KernelSpec, backend: Backend, target, avals, params: Mapping[str, Any],
+                  execution: Mapping[str, Any]) -> Callable:
+    """A shipped kernel as a function of its inputs alone: its config for
+    these avals on `target` (the JAX device it is built for) and the
+    backend's `execution` keywords bound. The one form both callers run:
+    this module's torch calls and torch_pallas.jax's functions of JAX
+    arrays."""
+    config = spec.config(backend.name, avals, params, target)
+    return functools.partial(spec.run, **params, config=config, **execution)
 
 
 @dataclasses.dataclass(frozen=True)

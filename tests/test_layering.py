@@ -25,7 +25,8 @@ LAYERS = (
     ("torch_pallas.library",),
     ("torch_pallas.ops", "torch_pallas.custom_ops"),
     ("torch_pallas.nn", "torch_pallas.distributed", "torch_pallas.jax"),
-    ("torch_pallas.transformers",),  # model patching, on nn's layers and replace_linear
+    # model patching, on nn's layers and replace_linear; torchax, on the JAX forms
+    ("torch_pallas.transformers", "torch_pallas.torchax"),
     ("torch_pallas",),  # the public API and the environment report (__main__)
 )
 

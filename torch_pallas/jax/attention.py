@@ -101,33 +101,45 @@ def _with_sinks(out, lse, sinks):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, sinks, cu_seq_q, cu_seq_k, static: Static):
-    return _attention_forward(q, k, v, sinks, cu_seq_q, cu_seq_k, static)[0]
-
-
-def _attention_forward(q, k, v, sinks, cu_seq_q, cu_seq_k, static):
+def attention_forward(q, k, v, sinks, cu_seq_q, cu_seq_k, static: Static):
+    """pallas::attention_forward without a mask or dropout: (out, lse) for
+    q (B, Hq, L, D), lse (B, Hq, L) float32 (the sinks' logits in it);
+    differentiable in q, k, v and sinks through out."""
     spans, params = _tables(static, q, k, cu_seq_q, cu_seq_k)
     out, lse = calls.run("attention", q, k, v, *(() if spans is None else (spans,)), **params)
-    if sinks is not None:
-        out, lse = _with_sinks(out, lse, sinks)
-    return out, (q, k, v, sinks, cu_seq_q, cu_seq_k, out, lse)
+    return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
 
 
-def _attention_backward(static, saved, g):
-    q, k, v, sinks, cu_seq_q, cu_seq_k, out, lse = saved
-    g = g.astype(q.dtype)
+def _attention_vjp_forward(q, k, v, sinks, cu_seq_q, cu_seq_k, static):
+    out, lse = attention_forward(q, k, v, sinks, cu_seq_q, cu_seq_k, static)
+    return (out, lse), (q, k, v, sinks, cu_seq_q, cu_seq_k, out, lse)
+
+
+def attention_backward(q, k, v, out, g, lse, cu_seq_q, cu_seq_k, static: Static):
+    """pallas::attention_backward without a mask or dropout: (dq, dk, dv)
+    from out's gradient `g`, the forward's out and lse."""
     spans, params = _tables(static, q, k, cu_seq_q, cu_seq_k)
     tables = () if spans is None else (spans, key_spans(spans, k.shape[2]))
-    dq, dk, dv = calls.run("attention_backward", q, k, v, out, g, lse, *tables, **params)
-    d_sinks = None
-    if sinks is not None:  # -Σ exp(sink - lse) * rowsum(g * out), over batch and rows
-        delta = (g.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)
-        weight = jnp.exp(sinks.astype(jnp.float32).reshape(1, -1, 1) - lse)
-        d_sinks = -(weight * delta).sum((0, 2)).astype(sinks.dtype)
+    return tuple(calls.run("attention_backward", q, k, v, out, g.astype(q.dtype), lse, *tables,
+                           **params))
+
+
+def sinks_gradient(sinks, out, g, lse):
+    """d loss / d sink_h = -Σ over batch and rows of exp(sink_h - lse) *
+    rowsum(g * out), lse with the sinks (ops/attention.py's)."""
+    delta = (g.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)
+    weight = jnp.exp(sinks.astype(jnp.float32).reshape(1, -1, 1) - lse)
+    return -(weight * delta).sum((0, 2)).astype(sinks.dtype)
+
+
+def _attention_vjp_backward(static, saved, g):
+    q, k, v, sinks, cu_seq_q, cu_seq_k, out, lse = saved
+    dq, dk, dv = attention_backward(q, k, v, out, g[0], lse, cu_seq_q, cu_seq_k, static)
+    d_sinks = None if sinks is None else sinks_gradient(sinks, out, g[0], lse)
     return dq, dk, dv, d_sinks, None, None
 
 
-_attention.defvjp(_attention_forward, _attention_backward)
+attention_forward.defvjp(_attention_vjp_forward, _attention_vjp_backward)
 
 
 # --- the public functions -------------------------------------------------------------
@@ -187,7 +199,7 @@ def attention(query, key, value, *, is_causal: bool = False, scale: float | None
     left, right = _check(op, query, key, value, window_size, softcap, sinks, heads_axis=1)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     static = Static(scale, bool(is_causal), left, right, float(softcap))
-    return _attention(query, key, value, sinks, None, None, static)
+    return attention_forward(query, key, value, sinks, None, None, static)[0]
 
 
 def _check_sequences(op: str, cu_seq_q, cu_seq_k, rows: int, keys: int) -> None:
@@ -223,6 +235,6 @@ def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, *, scale: float | No
     _check_sequences(op, cu_seq_q, cu_seq_k, query.shape[0], key.shape[0])
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     q, k, v = (jnp.swapaxes(t, 0, 1)[None] for t in (query, key, value))
-    out = _attention(q, k, v, sinks, cu_seq_q, cu_seq_k,
-                     Static(scale, False, left, right, float(softcap)))
+    out, _ = attention_forward(q, k, v, sinks, cu_seq_q, cu_seq_k,
+                               Static(scale, False, left, right, float(softcap)))
     return jnp.swapaxes(out[0], 0, 1)

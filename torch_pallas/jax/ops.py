@@ -76,18 +76,21 @@ add.defvjp(_add_forward, _add_backward)
 # --- matmul --------------------------------------------------------------------
 
 def matmul(a, b):
-    """a @ b with jnp.matmul's semantics for operands of two or more
-    dimensions (batch dimensions broadcast), accumulated in float32 and
-    returned in the operands' dtype; float32 multiplied in full."""
+    """a @ b with jnp.matmul's semantics (1-D operands, broadcast batch
+    dimensions), accumulated in float32 and returned in the operands'
+    dtype; float32 multiplied in full."""
     op = "torch_pallas.jax.matmul"
     _same_dtype(op, ("a", "b"), a, b)
     _float_dtype(op, "a", a)
-    if a.ndim < 2 or b.ndim < 2:
-        raise ValueError(f"{op}: a and b need two dimensions or more, got a.shape={a.shape}, "
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError(f"{op}: a and b need a dimension or more, got a.shape={a.shape}, "
                          f"b.shape={b.shape}")
-    if a.shape[-1] != b.shape[-2]:
-        raise ValueError(f"{op}: a.shape={a.shape} and b.shape={b.shape} do not multiply "
-                         f"({a.shape[-1]} != {b.shape[-2]})")
+    if a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
+        raise ValueError(f"{op}: a.shape={a.shape} and b.shape={b.shape} do not multiply")
+    if a.ndim == 1:
+        return matmul(a[None], b)[..., 0, :] if b.ndim > 1 else matmul(a[None], b[:, None])[0, 0]
+    if b.ndim == 1:
+        return _matmul(a, b[:, None])[..., 0]
     return _matmul(a, b)
 
 
@@ -136,13 +139,14 @@ _matmul.defvjp(_matmul_forward, _matmul_backward)
 
 # --- grouped_mm ------------------------------------------------------------------
 
-def grouped_mm(lhs, rhs, group_ends, *, out_dtype=None):
+def grouped_mm(lhs, rhs, group_ends, bias=None, *, out_dtype=None):
     """Each group's rows of lhs (M, K) times its matrix of rhs (G, K, N):
     rows group_ends[g - 1] <= r < group_ends[g] use rhs[g] (group_ends (G,)
     cumulative, non-decreasing; rows past group_ends[-1] are zero), as
     torch's F.grouped_mm with offs, float32 accumulation, the result in
-    `out_dtype` (lhs's dtype by default; float32 for 16-bit inputs).
-    Differentiable in lhs and rhs."""
+    `out_dtype` (lhs's dtype by default; float32 for 16-bit inputs), with
+    each group's row of `bias` (G, N) added. Differentiable in lhs, rhs and
+    bias."""
     op = "torch_pallas.jax.grouped_mm"
     _same_dtype(op, ("lhs", "rhs"), lhs, rhs)
     _float_dtype(op, "lhs", lhs)
@@ -155,25 +159,36 @@ def grouped_mm(lhs, rhs, group_ends, *, out_dtype=None):
     out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype).name
     if out_dtype not in (jnp.dtype(lhs.dtype).name, "float32"):
         raise TypeError(f"{op}: out_dtype={out_dtype} must be lhs's dtype or float32")
-    return _grouped_mm(lhs, rhs, group_ends.astype(jnp.int32), out_dtype)
+    if bias is not None and (bias.shape != (rhs.shape[0], rhs.shape[2])
+                             or bias.dtype not in (lhs.dtype, jnp.dtype(out_dtype))):
+        raise ValueError(f"{op}: bias must be (G, N) = {(rhs.shape[0], rhs.shape[2])} in lhs's "
+                         f"or the output's dtype; got {bias.shape} {jnp.dtype(bias.dtype).name}")
+    return _grouped_mm(lhs, rhs, group_ends.astype(jnp.int32), bias, out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped_mm(lhs, rhs, ends, out_dtype):
-    return calls.run("grouped_mm", lhs, rhs, ends, transpose_rhs=False, out_dtype=out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _grouped_mm(lhs, rhs, ends, bias, out_dtype):
+    extra = () if bias is None else (bias.astype(jnp.float32),)
+    return calls.run("grouped_mm", lhs, rhs, ends, *extra, transpose_rhs=False,
+                     out_dtype=out_dtype)
 
 
-def _grouped_mm_forward(lhs, rhs, ends, out_dtype):
-    return _grouped_mm(lhs, rhs, ends, out_dtype), (lhs, rhs, ends)
+def _grouped_mm_forward(lhs, rhs, ends, bias, out_dtype):
+    return _grouped_mm(lhs, rhs, ends, bias, out_dtype), (lhs, rhs, ends, bias)
 
 
 def _grouped_mm_backward(out_dtype, saved, g):
-    lhs, rhs, ends = saved
+    lhs, rhs, ends, bias = saved
     dtype = jnp.dtype(lhs.dtype).name
     dy = g.astype(lhs.dtype)  # one rounding of a float32 output's gradient
     d_lhs = calls.run("grouped_mm", dy, rhs, ends, transpose_rhs=True, out_dtype=dtype)
     d_rhs = calls.run("grouped_mm_backward", lhs, dy, ends, out_dtype=dtype)
-    return d_lhs, d_rhs, None
+    d_bias = None
+    if bias is not None:  # each group's rows of g summed; rows past ends[-1] in none
+        group = jnp.searchsorted(ends, jnp.arange(g.shape[0], dtype=jnp.int32), side="right")
+        d_bias = jax.ops.segment_sum(g.astype(jnp.float32), group, num_segments=ends.shape[0])
+        d_bias = d_bias.astype(bias.dtype)
+    return d_lhs, d_rhs, None, d_bias
 
 
 _grouped_mm.defvjp(_grouped_mm_forward, _grouped_mm_backward)
@@ -201,30 +216,39 @@ def rms_norm(x, weight=None, eps=None, *, casting_mode="none"):
     if weight is not None and weight.shape != x.shape[-1:]:
         raise ValueError(f"{op}: weight.shape={weight.shape} must be ({x.shape[-1]},)")
     eps = float(jnp.finfo(x.dtype).eps if eps is None else eps)
-    return _rms_norm(x, weight, eps, casting)
+    return rms_norm_forward(x, weight, eps, casting)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rms_norm(x, weight, eps, casting):
-    return _rms_norm_forward(x, weight, eps, casting)[0]
-
-
-def _rms_norm_forward(x, weight, eps, casting):
+def rms_norm_forward(x, weight, eps: float, casting: Casting):
+    """pallas::rms_norm_forward: (out, rstd) over x's last dimension, rstd
+    (...) float32; differentiable in x and weight through out."""
     inputs = (x,) if weight is None else (x, weight)
-    out, rstd = calls.run("rms_norm", *inputs, eps=eps, casting=casting)
-    return out, (x, weight, rstd)
+    return tuple(calls.run("rms_norm", *inputs, eps=eps, casting=casting))
 
 
-def _rms_norm_backward(eps, casting, saved, g):
-    x, weight, rstd = saved
+def _rms_norm_vjp_forward(x, weight, eps, casting):
+    out, rstd = rms_norm_forward(x, weight, eps, casting)
+    return (out, rstd), (x, weight, rstd)
+
+
+def rms_norm_backward(g, x, rstd, weight, casting: Casting):
+    """pallas::rms_norm_backward: (dx, dw) from out's gradient, dw in the
+    weight's dtype (empty float32 without a weight)."""
     n = x.shape[-1]
     inputs = (g.reshape(-1, n), x.reshape(-1, n), rstd.reshape(-1))
     dx, dw = calls.run("rms_norm_backward", *inputs, *(() if weight is None else (weight,)),
                        casting=casting)
-    return dx.reshape(x.shape), None if weight is None else dw
+    return dx.reshape(x.shape), dw
 
 
-_rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
+def _rms_norm_vjp_backward(eps, casting, saved, g):
+    x, weight, rstd = saved
+    dx, dw = rms_norm_backward(g[0], x, rstd, weight, casting)
+    return dx, None if weight is None else dw
+
+
+rms_norm_forward.defvjp(_rms_norm_vjp_forward, _rms_norm_vjp_backward)
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5):
@@ -237,29 +261,37 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5):
     for name, p in (("weight", weight), ("bias", bias)):
         if p is not None and p.shape != (n,):
             raise ValueError(f"{op}: {name}.shape={p.shape} must be ({n},)")
-    return _layer_norm(x, jnp.ones((n,), x.dtype) if weight is None else weight,
-                       jnp.zeros((n,), x.dtype) if bias is None else bias, float(eps))
+    return layer_norm_forward(x, jnp.ones((n,), x.dtype) if weight is None else weight,
+                              jnp.zeros((n,), x.dtype) if bias is None else bias, float(eps))[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _layer_norm(x, weight, bias, eps):
-    return _layer_norm_forward(x, weight, bias, eps)[0]
+def layer_norm_forward(x, weight, bias, eps: float):
+    """pallas::layer_norm_forward: (out, mean, rstd) over x's last
+    dimension, mean and rstd (...) float32; differentiable through out."""
+    return tuple(calls.run("layer_norm", x, weight, bias, eps=eps))
 
 
-def _layer_norm_forward(x, weight, bias, eps):
-    out, mean, rstd = calls.run("layer_norm", x, weight, bias, eps=eps)
-    return out, (x, weight, bias, mean, rstd)
+def _layer_norm_vjp_forward(x, weight, bias, eps):
+    out, mean, rstd = layer_norm_forward(x, weight, bias, eps)
+    return (out, mean, rstd), (x, weight, bias, mean, rstd)
 
 
-def _layer_norm_backward(eps, saved, g):
-    x, weight, bias, mean, rstd = saved
+def layer_norm_backward(g, x, mean, rstd, weight):
+    """pallas::layer_norm_backward: (dx, dw, db), dw and db float32."""
     n = x.shape[-1]
     dx, dw, db = calls.run("layer_norm_backward", g.reshape(-1, n), x.reshape(-1, n),
                            mean.reshape(-1), rstd.reshape(-1), weight)
-    return dx.reshape(x.shape), dw.astype(weight.dtype), db.astype(bias.dtype)
+    return dx.reshape(x.shape), dw, db
 
 
-_layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
+def _layer_norm_vjp_backward(eps, saved, g):
+    x, weight, bias, mean, rstd = saved
+    dx, dw, db = layer_norm_backward(g[0], x, mean, rstd, weight)
+    return dx, dw.astype(weight.dtype), db.astype(bias.dtype)
+
+
+layer_norm_forward.defvjp(_layer_norm_vjp_forward, _layer_norm_vjp_backward)
 
 
 # --- swiglu and rotary embeddings ------------------------------------------------

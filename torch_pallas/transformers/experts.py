@@ -135,8 +135,11 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     # 1. pairs by expert; sentinels (>= num_experts) last, outside every group
     sorted_ids, order = torch.sort(expert_ids, stable=True)
     rows = hidden_states[order // top_k]
-    counts = torch.bincount(sorted_ids.clamp(max=num_experts), minlength=num_experts + 1)
-    offs = torch.cumsum(counts[:num_experts], dim=0, dtype=torch.int32)
+    # each expert's end among the sorted pairs: the pairs below the next id
+    # (no bincount, whose output size is data under jax.jit, where torchax
+    # runs a compiled model)
+    next_ids = torch.arange(1, num_experts + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, next_ids).to(torch.int32)
     sentinels = None
     if getattr(self, "_is_expert_parallel", False):
         sentinels = (sorted_ids >= num_experts).unsqueeze(-1)

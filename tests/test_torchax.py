@@ -1,0 +1,142 @@
+"""torch_pallas in torchax (torch tensors backed by JAX arrays): every op
+through `torch_pallas.torchax.register()` on "jax" tensors, values and torch
+autograd's gradients against the same call on CPU tensors; a Llama and a
+Mixtral (transformers, from config) with attn_implementation="pallas" and
+`apply()`, their logits and every parameter's gradient (JAX's, through
+torchax.extract_jax) eagerly and under jax.jit, and their logits through
+`torchax.compile`, against the same model on torch CPU.
+
+The tests marked `torchax` need torchax (0.0.13 imports on torch < 2.13);
+CI runs them in a venv of their own: pytest -m torchax tests/test_torchax.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import torch_pallas
+import torch_pallas.torchax
+
+
+def test_registration_says_why_torchax_does_not_import(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchax", None)  # `import torchax` raises ImportError
+    with pytest.raises(ImportError, match=r"torch_pallas.torchax.register: torchax does not "
+                                          r"import here \(torch .*torch < 2.13"):
+        torch_pallas.torchax.register()
+
+
+@pytest.fixture(scope="module")
+def env():
+    torchax = pytest.importorskip("torchax")
+    return torch_pallas.torchax.register(torchax.default_env())
+
+
+def _cases():
+    from test_jax_forms import CASES
+
+    return CASES
+
+
+def _to(value, device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+@pytest.mark.torchax
+@pytest.mark.parametrize("case", _cases(), ids=[c.id for c in _cases()])
+def test_each_op_on_jax_tensors_with_torch_autograd(env, case):
+    args = case.args()
+    diff = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    leaves = [a.clone().requires_grad_(i in diff) if i in diff else a for i, a in enumerate(args)]
+    out = case.torch_call(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    weights = [torch.randn(o.shape) for o in outs]
+    sum((o.float() * w).sum() for o, w in zip(outs, weights)).backward()
+    with env:
+        jleaves = [_to(a, "jax").requires_grad_() if i in diff else _to(a, "jax")
+                   for i, a in enumerate(args)]
+        got = case.torch_call(*jleaves)
+        gots = got if isinstance(got, tuple) else (got,)
+        sum((g.float() * w.to("jax")).sum() for g, w in zip(gots, weights)).backward()
+        values = [g.to("cpu") for g in gots]
+        grads = [jleaves[i].grad.to("cpu") for i in diff]
+    tol = 2e-2 if args[0].dtype == torch.bfloat16 else 2e-5
+    for g, o in zip(values, outs):
+        assert g.dtype == o.dtype and g.shape == o.shape
+        torch.testing.assert_close(g.float(), o.detach().float(), rtol=tol, atol=tol)
+    for i, g in zip(diff, grads):
+        torch.testing.assert_close(g.float(), leaves[i].grad.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.torchax
+def test_an_argument_the_forms_do_not_take_is_refused_by_name(env):
+    q = torch.randn(1, 2, 5, 8)
+    with env, pytest.raises(NotImplementedError, match="pallas::attention: under torchax attn_mask"):
+        torch_pallas.attention(q.to("jax"), q.to("jax"), q.to("jax"),
+                               attn_mask=torch.ones(5, 5, dtype=torch.bool).to("jax"))
+
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=128)
+FAMILIES = {"llama": {}, "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+
+
+class Logits(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).logits
+
+
+@pytest.mark.torchax
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_patched_model_trains_in_torchax_as_on_cpu(env, family):
+    import jax
+    import torchax
+    import transformers
+
+    import torch_pallas.transformers
+
+    config = transformers.AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    torch_pallas.transformers.register()
+    experts = {"experts_implementation": "pallas"} if family == "mixtral" else {}
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="pallas", **experts).train()
+    report = torch_pallas.transformers.apply(model)
+    assert report.attention and report.cross_entropy and report.rms_norm and report.rotary
+    assert report.experts if family == "mixtral" else report.swiglu
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 11))
+    logits = model(input_ids=ids).logits.detach()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+
+    states, call = torchax.extract_jax(model)
+    ids_jax = jax.numpy.asarray(ids.numpy())
+
+    def jax_logits(states, ids):
+        return call(states, (), {"input_ids": ids}).logits
+
+    def jax_loss(states, ids):
+        return call(states, (), {"input_ids": ids, "labels": ids}).loss
+
+    for run in (lambda f: f, jax.jit):  # eagerly, then compiled
+        np.testing.assert_allclose(run(jax_logits)(states, ids_jax), logits.numpy(),
+                                   rtol=1e-5, atol=1e-5)
+        value, jax_grads = run(jax.value_and_grad(jax_loss))(states, ids_jax)
+        np.testing.assert_allclose(value, loss.item(), rtol=1e-6)
+        assert set(grads) <= set(jax_grads)
+        for name, grad in grads.items():
+            np.testing.assert_allclose(jax_grads[name], grad.numpy(), rtol=1e-4, atol=1e-6,
+                                       err_msg=name)
+
+    with env:  # jax.jit returns JAX types: the logits, not transformers' ModelOutput
+        compiled = torchax.compile(Logits(model).to("jax"))
+        out = compiled(ids.to("jax"))
+        np.testing.assert_allclose(out.to("cpu").numpy(), logits.numpy(), rtol=1e-5, atol=1e-5)

@@ -198,3 +198,23 @@ def compile_for_sm90(script: str) -> list[list[str]]:
     out = subprocess.run([sys.executable, "-c", SM90_BUILD + textwrap.dedent(script)], env=env,
                          check=True, capture_output=True, text=True).stdout
     return [line.split() for line in out.splitlines() if line.startswith("BUILT")]
+
+
+def computed_once(tmp_path_factory, worker_id: str, name: str, compute):
+    """compute()'s (picklable) result, computed once per pytest run however
+    many xdist workers ask for it: the first under a file lock, in the run's
+    shared temporary folder; the others read it (a module fixture that
+    starts processes would otherwise start them on every worker running
+    one of its tests). Without xdist, computed here."""
+    import pickle
+
+    from filelock import FileLock
+
+    if worker_id == "master":
+        return compute()
+    shared = tmp_path_factory.getbasetemp().parent  # this run's, shared by its workers
+    path = shared / f"{name}.pickle"
+    with FileLock(str(path) + ".lock"):
+        if not path.exists():
+            path.write_bytes(pickle.dumps(compute()))
+        return pickle.loads(path.read_bytes())

@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 
 import torch_pallas
+from helpers import computed_once
 from test_distributed import on_gloo_mesh
 from torch_pallas.ops import varlen_attention
 from torch_pallas.ops.linear_cross_entropy import torch_linear_cross_entropy
 from torch_pallas.ops.rotary_embedding import torch_rotary_embedding  # transformers' composition
 
 WORLD = 2
-pytestmark = pytest.mark.xdist_group("dtensor")  # one worker: one start of the processes
 
 
 def _lce_reference(x, w, t, **kwargs):
@@ -289,8 +289,9 @@ def _collect(rank, mesh):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return on_gloo_mesh(_collect, WORLD, tmp_path_factory.mktemp("dtensor"))
+def results(tmp_path_factory, worker_id):
+    return computed_once(tmp_path_factory, worker_id, "dtensor", lambda: on_gloo_mesh(
+        _collect, WORLD, tmp_path_factory.mktemp("dtensor")))
 
 
 def _case(results, name):

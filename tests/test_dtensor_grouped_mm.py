@@ -29,12 +29,12 @@ import pytest
 import torch
 
 import torch_pallas
+from helpers import computed_once
 from test_distributed import on_gloo_mesh
 from test_dtensor import _placement, _relative_error
 from torch_pallas.ops.grouped_mm import reference
 
 WORLD = 2
-pytestmark = pytest.mark.xdist_group("dtensor")  # one worker: one start of the processes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # max |error| / max |reference|: float32 rounding; bfloat16's 2**-8 three times
 # (each rank's Partial share and their sum), with room
@@ -187,9 +187,10 @@ def _collect(rank, mesh):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """Every run's findings (rank 0's), or its traceback."""
-    found = on_gloo_mesh(_collect, WORLD, tmp_path_factory.mktemp("dtensor_grouped_mm"))
+def results(tmp_path_factory, worker_id):
+    """Every run's findings (rank 0's), or its traceback, found once a run."""
+    found = computed_once(tmp_path_factory, worker_id, "dtensor_grouped_mm", lambda: on_gloo_mesh(
+        _collect, WORLD, tmp_path_factory.mktemp("dtensor_grouped_mm")))
     for name, dtype in RUNS:
         found.setdefault((name, dtype), {"error": "no result"})
     return found

@@ -178,9 +178,9 @@ def _canonical_mask(mask: torch.Tensor, dtype, outer, heads: int, length: int,
     return mask.reshape(math.prod(mask_outer), mask_heads, length, kv_length)
 
 
-def check_extras(op: str, window_size, softcap, sinks, query, heads: int) -> tuple[int, int]:
-    """window_size (left, right), softcap and sinks, as the ops take them;
-    returns the window."""
+def check_window(op: str, window_size, softcap) -> tuple[int, int]:
+    """window_size (left, right) and softcap, as the ops (and
+    torch_pallas.jax's attention) take them; returns the window."""
     try:
         left, right = (int(w) for w in window_size)
     except (TypeError, ValueError):
@@ -191,6 +191,13 @@ def check_extras(op: str, window_size, softcap, sinks, query, heads: int) -> tup
                          f"window_size={tuple(window_size)}")
     if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not softcap >= 0:
         raise ValueError(f"{op}: softcap must be a float >= 0 (0: off), got {softcap!r}")
+    return left, right
+
+
+def check_extras(op: str, window_size, softcap, sinks, query, heads: int) -> tuple[int, int]:
+    """window_size (left, right), softcap and sinks, as the ops take them;
+    returns the window."""
+    left, right = check_window(op, window_size, softcap)
     if sinks is not None:
         checks.tensor(op, "sinks", sinks)
         if sinks.shape != (heads,):

@@ -7,15 +7,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import torch_pallas
-
-jax = pytest.importorskip("jax")
-jnp = jax.numpy
-tpj = pytest.importorskip("torch_pallas.jax")
+import torch_pallas.jax as tpj
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 

@@ -164,16 +164,7 @@ def _check(op: str, q, k, v, window_size, softcap, sinks, heads_axis: int):
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"{op}: query's and key's last dimensions must be equal, got "
                          f"{q.shape} and {k.shape}")
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise TypeError(f"{op}: window_size must be two ints (left, right), got "
-                        f"{window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"{op}: window_size entries must be -1 (unbounded) or >= 0, got "
-                         f"window_size={(left, right)}")
-    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not softcap >= 0:
-        raise ValueError(f"{op}: softcap must be a float >= 0 (0: off), got {softcap!r}")
+    left, right = attention_op.check_window(op, window_size, softcap)
     if sinks is not None and (sinks.shape != (heads,) or sinks.dtype != q.dtype):
         raise ValueError(f"{op}: sinks must hold one logit per query head in the query's "
                          f"dtype, shape ({heads},); got {sinks.shape} {jnp.dtype(sinks.dtype).name}")

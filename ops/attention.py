@@ -241,7 +241,7 @@ def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
 # --- the forward op --------------------------------------------------------
 
 def kernel_params(scale: float, is_causal: bool, dropout_p: float = 0.0, spans: bool = False,
-            softcap: float = 0.0, span_width: int = 0) -> dict:
+                  softcap: float = 0.0, span_width: int = 0) -> dict:
     """The kernels' static parameters; `dropout_p`, `spans`, `softcap` and
     `span_width` only when used, so that a call without them is the same
     kernel as ever."""
@@ -425,7 +425,7 @@ def _forward_values(q, k, v, mask, scale, is_causal, dropout_p, seed, window_lef
               + dropping)
     out, lse = launch.run("attention", q.device, inputs,
                           kernel_params(scale, causal, dropout_p, spans is not None, softcap,
-                                  span_width(is_causal, window_left, window_right)))
+                                        span_width(is_causal, window_left, window_right)))
     out, lse = _unpadded(out, length), _unpadded(lse, length)
     return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
 
@@ -601,7 +601,7 @@ def backward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     inputs = (q, k, v, out, grad_out, lse) + (() if mask is None else (mask,)) + tables + dropping
     dq, dk, dv = launch.run("attention_backward", q.device, inputs,
                             kernel_params(scale, causal, dropout_p, spans is not None, softcap,
-                                    span_width(is_causal, window_left, window_right)))
+                                          span_width(is_causal, window_left, window_right)))
     return _unpadded(dq, length), _unpadded(dk, kv_length), _unpadded(dv, kv_length)
 
 

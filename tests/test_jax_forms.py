@@ -200,3 +200,13 @@ def test_a_backend_of_another_family_is_refused():
     with torch_pallas.backend("mosaic_gpu_interpret"):
         with pytest.raises(torch_pallas.BackendError, match="runs the TPU kernels"):
             tpj.swiglu(jnp.ones((2, 3)), jnp.ones((2, 3)))
+
+
+def test_int32_add_and_64_bit_dtypes():
+    x = jnp.arange(12, dtype=jnp.int32).reshape(3, 4)
+    np.testing.assert_array_equal(np.asarray(tpj.add(x, x[:1])), np.asarray(x + x[:1]))
+    if not jax.config.jax_enable_x64:  # JAX would narrow them to 32 bits: refused
+        with pytest.raises(TypeError, match="torch_pallas.jax.iota: dtype=int64 needs JAX's 64-bit"):
+            tpj.iota(5, jnp.int64)
+        with pytest.raises(TypeError, match="torch_pallas.jax.fill: dtype=float64"):
+            tpj.fill((2,), 1.0, "float64")

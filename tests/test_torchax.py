@@ -141,3 +141,15 @@ def test_a_patched_model_trains_in_torchax_as_on_cpu(env, family):
         compiled = torchax.compile(Logits(model).to("jax"))
         out = compiled(ids.to("jax"))
         np.testing.assert_allclose(out.to("cpu").numpy(), logits.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.torchax
+def test_the_factory_ops_make_jax_tensors(env):
+    with env:
+        filled = torch_pallas.fill((3, 129), -2.5)
+        counted = torch_pallas.iota(70, dtype=torch.int32)
+        assert filled.device.type == "jax" and counted.dtype == torch.int32
+        torch.testing.assert_close(filled.to("cpu"), torch.full((3, 129), -2.5))
+        torch.testing.assert_close(counted.to("cpu"), torch.arange(70, dtype=torch.int32))
+        with pytest.raises(TypeError, match="dtype=int64 needs JAX's 64-bit mode"):
+            torch_pallas.iota(5)  # torch's default, int64: not narrowed to int32

@@ -170,23 +170,16 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
                                        softcap=softcap)
 
 
-def _dtype(op: str, dtype, default):
-    forms = _jax()
-    jnp = forms.ops.jnp
-    dtype = jnp.dtype(default if dtype is None else dtype)
-    if dtype.itemsize == 8 and not forms.ops.jax.config.jax_enable_x64:
-        raise TypeError(f"{op}: dtype={dtype.name} needs JAX's 64-bit mode "
-                        "(jax.config.update('jax_enable_x64', True)); ask for a 32-bit dtype")
-    return dtype
-
-
 def fill(size, value, *, dtype=None, device=None):
-    default = "bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else "float32"
-    return _jax().fill(tuple(size), value, _dtype("pallas::fill", dtype, default))
+    """torch.full's default dtype where none is given: bool, int64 or float32
+    by the value (int64 needs JAX's 64-bit mode, said by the form)."""
+    if dtype is None:
+        dtype = "bool" if isinstance(value, bool) else "int64" if isinstance(value, int) else "float32"
+    return _jax().fill(tuple(size), value, dtype)
 
 
 def iota(n, *, dtype=None, device=None):
-    return _jax().iota(int(n), _dtype("pallas::iota", dtype, "int64"))
+    return _jax().iota(int(n), "int64" if dtype is None else dtype)
 
 
 IMPLEMENTATIONS = {

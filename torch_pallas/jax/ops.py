@@ -43,34 +43,57 @@ def _summed_to(g, shape):
 
 # --- fill, iota, add -----------------------------------------------------------
 
+def _kernel_dtype(op: str, dtype) -> str:
+    """dtype's name, refusing a 64-bit one while JAX's 64-bit mode is off
+    (JAX would narrow it to 32 bits)."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        raise TypeError(f"{op}: dtype={dtype.name} needs JAX's 64-bit mode "
+                        "(jax.config.update('jax_enable_x64', True)); ask for a 32-bit dtype")
+    return dtype.name
+
+
 def fill(shape, value, dtype="float32"):
     """An array of `shape` holding `value`, written by the fill kernel."""
     shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
-    return calls.run("fill", shape=shape, value=value, dtype=jnp.dtype(dtype).name)
+    return calls.run("fill", shape=shape, value=value,
+                     dtype=_kernel_dtype("torch_pallas.jax.fill", dtype))
 
 
 def iota(n: int, dtype="int32"):
     """[0, 1, ..., n - 1], written by the iota kernel."""
-    return calls.run("iota", n=int(n), dtype=jnp.dtype(dtype).name)
+    return calls.run("iota", n=int(n), dtype=_kernel_dtype("torch_pallas.jax.iota", dtype))
 
 
-@jax.custom_vjp
 def add(x, y):
-    """x + y for arrays of one float dtype, broadcast as jnp.add does."""
-    _same_dtype("torch_pallas.jax.add", ("x", "y"), x, y)
-    _float_dtype("torch_pallas.jax.add", "x", x)
+    """x + y for arrays of one dtype (a float one, or int32), broadcast as
+    jnp.add does; differentiable in float x and y."""
+    op = "torch_pallas.jax.add"
+    _same_dtype(op, ("x", "y"), x, y)
+    if jnp.dtype(x.dtype).name == "int32":
+        return _add_kernel(x, y)
+    _float_dtype(op, "x", x)
+    return _add(x, y)
+
+
+def _add_kernel(x, y):
     return calls.run("add", x, y, out_shape=tuple(jnp.broadcast_shapes(x.shape, y.shape)))
 
 
+@jax.custom_vjp
+def _add(x, y):
+    return _add_kernel(x, y)
+
+
 def _add_forward(x, y):
-    return add(x, y), (x.shape, y.shape)
+    return _add_kernel(x, y), (x.shape, y.shape)
 
 
 def _add_backward(shapes, g):
     return tuple(_summed_to(g, shape) for shape in shapes)
 
 
-add.defvjp(_add_forward, _add_backward)
+_add.defvjp(_add_forward, _add_backward)
 
 
 # --- matmul --------------------------------------------------------------------

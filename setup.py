@@ -50,7 +50,10 @@ setup(
         # expecttest: torch.testing._internal (PyTorch's own sample inputs).
         # transformers: tests/test_nn.py converts a small GPT-2 (its Conv1D layers);
         # torch_pallas.transformers needs 4.56 on (CI tests it and the newest).
+        # jax[tpu]: libtpu at JAX's own pin, whose compile-only client
+        # tests/test_tpu_compile.py compiles every TPU kernel with (no chip;
+        # libtpu ships for Linux only).
         "test": ["pytest", "pytest-xdist", "pytest-benchmark", "matplotlib", "expecttest", "triton>=3.0",
-                 "transformers>=4.56"],
+                 "transformers>=4.56", "jax[tpu]; sys_platform == 'linux'"],
     },
 )

@@ -15,7 +15,7 @@ import torch
 
 from torch_pallas.base import jax_env
 from torch_pallas.base.errors import BackendError
-from torch_pallas.runtime import backends, launch, registry
+from torch_pallas.runtime import backends, compile_cache, launch, registry
 from torch_pallas.runtime.backends import Backend
 
 _HOST = torch.device("cpu")  # the torch device the TPU family's backends serve
@@ -46,18 +46,18 @@ def run(op: str, *arrays, **params):
     info = registry.get(op)
     chosen = backend(info.qualified_name)
     avals = tuple((tuple(a.shape), jax_env.jax().numpy.dtype(a.dtype).name) for a in arrays)
-    key = (info.name, chosen.name, avals, launch.static_key(params))
-    kernel = _KERNELS.get(key)
-    if kernel is None:
+
+    def build():
         spec = info.kernel(chosen)
         reason = spec.refusal(chosen.name, avals, params)
         if reason is not None:
             raise BackendError(f"{info.qualified_name}: backend {chosen.name!r} {reason}")
         execution = chosen.execution(device=_HOST, takes_inputs=bool(arrays))
         target = backends.jax_device(_HOST, chosen)
-        entry = launch.shipped_entry(spec, chosen, target, avals, params, execution)
-        kernel = _KERNELS.setdefault(key, jax_env.jax().jit(entry))
-    return kernel(*arrays)
+        return jax_env.jax().jit(
+            launch.shipped_entry(spec, chosen, target, avals, params, execution))
 
-
-_KERNELS: dict[tuple, object] = {}  # (op, backend, avals, parameters) -> jitted kernel
+    # the torch calls' bounded cache (torch_pallas.clear_cache() empties it),
+    # under keys of their own
+    key = ("torch_pallas.jax", info.name, chosen.name, avals, launch.static_key(params))
+    return compile_cache.compiled.get(key, build)(*arrays)

@@ -38,6 +38,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import torch_pallas  # noqa: E402
+import torch_pallas.jax as tpj  # noqa: E402
+from torch_pallas.kernels.shapes import fitted_block  # noqa: E402
 from torch_pallas.runtime import bridge, registry  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -93,6 +95,7 @@ def _on_chip(args):
     return [jax.device_put(a, DEVICE) for a in args]
 
 
+MEMORY = {}  # each compiled function's XLA memory analysis, by name (the last compare's)
 REPEATS = 5  # calls dispatched back to back per timing: the host's dispatch overlaps them
 
 
@@ -107,6 +110,7 @@ def compare(functions: dict, args: dict, *, skip_failures: bool = False) -> dict
     for name, f in functions.items():
         try:
             compiled[name] = _compiled(f, args[name])
+            MEMORY[name] = compiled[name].memory_analysis()
         except Exception as e:
             if not skip_failures:
                 raise
@@ -203,7 +207,7 @@ def attention_case(batch: int, heads: int, length: int, dim: int = 128):
     b_fns, b_args = ours(backward)
     qs = [np.asarray(bridge.to_kernel_argument(t.detach())) for t in (q, k, v)]
     refs, ref_args = {}, {}
-    for blocks in ((512, 512), (1024, 512), (512, 1024)):
+    for blocks in ((512, 512), (1024, 512), (512, 1024), (1024, 1024)):
         splash = _splash(batch, heads, length, blocks)
         refs[f"splash {blocks}"] = lambda q, k, v, s=splash: s(q * scale, k, v)
         refs[f"splash {blocks} fwd+bwd"] = jax.grad(
@@ -216,6 +220,12 @@ def attention_case(batch: int, heads: int, length: int, dim: int = 128):
         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                      implementation="xla")
         .astype(jnp.float32).sum(), argnums=(0, 1, 2))
+    # the JAX-side form (torch_pallas.jax) of the same op: the same kernels
+    # under one jax.jit, its gradient through the backward kernels
+    refs["torch_pallas.jax"] = lambda q, k, v: tpj.attention(q, k, v, is_causal=True)
+    refs["torch_pallas.jax fwd+bwd"] = jax.grad(
+        lambda q, k, v: tpj.attention(q, k, v, is_causal=True).astype(jnp.float32).sum(),
+        argnums=(0, 1, 2))
     for name in refs:
         ref_args[name] = layout if name.startswith("xla") else qs
     t = compare({**f_fns, **b_fns, **refs}, {**f_args, **b_args, **ref_args})
@@ -228,10 +238,11 @@ def attention_case(batch: int, heads: int, length: int, dim: int = 128):
     best_f = min(splash_f, key=lambda n: splash_f[n] or 0)
     best_b = min(splash_b, key=lambda n: splash_b[n] or 0)
     row(f"{name} forward ({forward[0]['config'].block_q}x{forward[0]['config'].block_k})", fwd,
-        {f"best {best_f}": t[best_f], "xla": t["xla"]}, work=flops, unit="TFLOP/s",
-        goal=">= 1.0x splash, >= 1.0x xla")
+        {f"best {best_f}": t[best_f], "xla": t["xla"], "torch_pallas.jax": t["torch_pallas.jax"]},
+        work=flops, unit="TFLOP/s", goal=">= 1.0x splash, >= 1.0x xla")
     row(f"{name} forward+backward", both, {f"best {best_b}": t[best_b],
-                                           "xla fwd+bwd": t["xla fwd+bwd"]},
+                                           "xla fwd+bwd": t["xla fwd+bwd"],
+                                           "torch_pallas.jax": t["torch_pallas.jax fwd+bwd"]},
         work=3.5 * flops, unit="TFLOP/s", goal=">= 1.0x splash, >= 1.0x xla")
 
 
@@ -254,27 +265,37 @@ def grouped_mm_case(rows: int, k: int, n: int, groups: int = 8):
     xs, ws = (np.asarray(bridge.to_kernel_argument(t.detach())) for t in (x, w))
     dy = np.ones((rows, n), xs.dtype)
     group_sizes = sizes.astype(np.int32)
-    refs = {
-        "megablox gmm": lambda a, b, g: gmm(a, b, g, preferred_element_type=jnp.bfloat16,
-                                            tiling=(512, 1024, 1024)),
-        "megablox gmm+tgmm bwd": lambda a, b, g, dy: (
-            gmm(dy, b, g, preferred_element_type=jnp.bfloat16, tiling=(512, 1024, 1024),
+    refs = {}
+    # megablox's tiling (tm, tk, tn): 512 x 1024 x 1024, and with N's or K's
+    # 1024 cut to divide 1792 (896), as ours are
+    fit = functools.partial(fitted_block, align=128)
+    for label, (tk, tn) in (("1024", (1024, 1024)), ("fitted", (fit(k, 1024), fit(n, 1024)))):
+        refs[f"megablox gmm {label}"] = lambda a, b, g, tk=tk, tn=tn: gmm(
+            a, b, g, preferred_element_type=jnp.bfloat16, tiling=(512, tk, tn))
+        refs[f"megablox gmm+tgmm bwd {label}"] = lambda a, b, g, dy, tk=tk, tn=tn: (
+            gmm(dy, b, g, preferred_element_type=jnp.bfloat16, tiling=(512, tn, tk),
                 transpose_rhs=True),
-            tgmm(a.T, dy, g, preferred_element_type=jnp.bfloat16, tiling=(512, 1024, 1024))),
+            tgmm(a.T, dy, g, preferred_element_type=jnp.bfloat16, tiling=(512, tk, tn)))
+    refs.update({
         "ragged_dot": lambda a, b, g: jax.lax.ragged_dot(a, b, g),
         "ragged_dot bwd": lambda a, b, g, dy: jax.vjp(
             lambda a, b: jax.lax.ragged_dot(a, b, g), a, b)[1](dy),
-    }
+    })
     ref_args = {name: [xs, ws, group_sizes] + ([dy] if "bwd" in name else []) for name in refs}
     t = compare({**f_fns, **b_fns, **refs}, {**f_args, **b_args, **ref_args})
     fwd = None if COMPILE_ONLY else sum(t[n] for n in f_fns)
     bwd = None if COMPILE_ONLY else sum(t[n] for n in b_fns)
     flops = 2.0 * rows * k * n
     name = f"grouped_mm bf16 {groups} groups, {rows} x {k} x {n}"
+    def best(prefix):
+        names = [n for n in refs if n.startswith(prefix + " ")]
+        chosen = min(names, key=lambda n: t[n] or 0)
+        return {f"{prefix} ({chosen.rsplit(' ', 1)[1]})": t[chosen]}
+
     row(f"{name} forward ({fwd_calls[0]['config']})", fwd,
-        {"megablox gmm": t["megablox gmm"], "ragged_dot": t["ragged_dot"]},
+        {**best("megablox gmm"), "ragged_dot": t["ragged_dot"]},
         work=flops, unit="TFLOP/s", goal=">= 1.0x megablox, >= 1.0x ragged_dot")
-    row(f"{name} backward", bwd, {"megablox gmm+tgmm": t["megablox gmm+tgmm bwd"],
+    row(f"{name} backward", bwd, {**best("megablox gmm+tgmm bwd"),
                                   "ragged_dot": t["ragged_dot bwd"]},
         work=2 * flops, unit="TFLOP/s", goal=">= 1.0x megablox, >= 1.0x ragged_dot")
 
@@ -331,6 +352,40 @@ def memory_bound_cases(n: int = 8192):
     rows_case(f"rotary_embedding bf16 q,k (1, {heads}, {length}, {dim})",
               lambda: torch_pallas.rotary_embedding(q, k, cos, sin), rotary, [q, k, cos, sin],
               4 * 2.0 * heads * length * dim)
+
+
+def linear_cross_entropy_case(tokens: int = 8192, hidden: int = 4096, vocab: int = 128256):
+    """Forward+backward of the loss through the JAX-side form (the torch
+    op's kernels, chunked, under one jax.jit) against the unfused loss as a
+    model computes it (bfloat16 logits, then float32 log-softmax): time, and
+    each compiled program's memory beyond its arguments (XLA's analysis)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden), np.float32), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((vocab, hidden), np.float32) * 0.02, jnp.bfloat16)
+    t = jnp.asarray(rng.integers(0, vocab, tokens), jnp.int32)
+
+    def unfused(x, w, t):
+        z = jnp.dot(x, w.T).astype(jnp.float32)
+        return jnp.mean(jax.nn.logsumexp(z, -1) - jnp.take_along_axis(z, t[:, None], 1)[:, 0])
+
+    functions = {
+        "ours": jax.value_and_grad(lambda x, w, t: tpj.linear_cross_entropy(x, w, t), (0, 1)),
+        "unfused xla": jax.value_and_grad(unfused, (0, 1)),
+    }
+    MEMORY.clear()
+    times = compare(functions, {name: [x, w, t] for name in functions}, skip_failures=True)
+
+    def gib(name):  # a program that does not fit the chip: its error
+        if name not in MEMORY:
+            return times.pop(name)
+        return f"{(MEMORY[name].temp_size_in_bytes + MEMORY[name].output_size_in_bytes) / 2**30:.2f} GiB"
+
+    memory = {name: gib(name) for name in functions}
+    name = f"linear_cross_entropy bf16 {tokens} tokens, hidden {hidden}, V={vocab}, fwd+bwd"
+    row(f"{name} (memory beyond the arguments: ours {memory['ours']}; unfused "
+        f"{memory['unfused xla']})", times.get("ours"),
+        {n: v for n, v in times.items() if n != "ours"}, work=3 * 2.0 * tokens * hidden * vocab,
+        unit="TFLOP/s", goal="memory <= 0.25x, time <= 1.1x the unfused loss")
 
 
 def through_torch_case(n: int = 4096):
@@ -396,12 +451,24 @@ def sweep_cases():
         y = torch_pallas.grouped_mm(x, w, offs=offs)
         y.backward(torch.ones_like(y))
 
+    def tiles(m=1.0, n=1.0, k=1.0):  # the chosen tiles scaled
+        return lambda c: dataclasses.replace(c, block_m=int(c.block_m * m),
+                                             block_n=int(c.block_n * n),
+                                             block_k=int(c.block_k * k))
+
     sweep("grouped_mm 16384 x 4096 x 1792", record(moe), {
-        f"{bm}x{bn}x{bk}": (lambda c, t=(bm, bn, bk): dataclasses.replace(
-            c, block_m=t[0], block_n=t[1], block_k=t[2]))
-        for bm, bn, bk in ((512, 1024, 512), (512, 1024, 1024), (256, 1024, 1024),
-                           (512, 512, 1024), (1024, 1024, 512), (256, 2048, 512),
-                           (512, 2048, 512), (1024, 512, 1024))})
+        "chosen": tiles(), "rows / 2": tiles(m=0.5), "rows x 2": tiles(m=2),
+        "N / 2": tiles(n=0.5), "N x 2": tiles(n=2), "K / 2": tiles(k=0.5), "K x 2": tiles(k=2),
+        "N x 2, K / 2": tiles(n=2, k=0.5), "512 x 1024 x 1024 (padded)": (
+            lambda c: dataclasses.replace(c, block_m=512, block_n=1024, block_k=1024))})
+    for size in (4096, 8192):
+        a, b = rand(size, size), rand(size, size)
+        sweep(f"matmul bf16 {size}^3", record(lambda: torch_pallas.matmul(a, b)), {
+            f"{bm}x{bn}x{bk}": (lambda c, t=(bm, bn, bk): dataclasses.replace(
+                c, block_m=t[0], block_n=t[1], block_k=t[2]))
+            for bm, bn, bk in ((512, 1024, 1024), (1024, 1024, 512), (512, 2048, 512),
+                               (1024, 512, 1024), (256, 1024, 1024), (512, 1024, 2048),
+                               (1024, 1024, 1024), (2048, 1024, 256))})
     n = 8192
     xs, ws = rand(n, n, grad=True), rand(n, grad=True)
 
@@ -453,6 +520,8 @@ CASES = {
     "attention": lambda: [attention_case(2, 16, 4096), attention_case(1, 16, 8192)],
     "grouped_mm": lambda: [grouped_mm_case(8192, 4096, 1792), grouped_mm_case(16384, 4096, 1792)],
     "memory_bound": memory_bound_cases,
+    "linear_cross_entropy": lambda: [linear_cross_entropy_case(tokens)
+                                     for tokens in (2048, 4096, 8192)],
     "through_torch": through_torch_case,
     "bounds": bounds_case,
     "sweep": sweep_cases,

@@ -323,3 +323,30 @@ def test_rounding_is_once_in_16_bit():
     ref = op.reference(mat_a, mat_b, offs=offs_of([30, 34]))
     rel = ((out.double() - ref).abs() / ref.abs().clamp_min(1e-3)).median()
     assert rel <= dtypes.ROUNDING[torch.bfloat16]
+
+
+def test_tpu_pipeline_tiles_inside_and_across_groups():
+    """The TPU kernels' pipelines (the simulator's 128-row tiles) where
+    groups span whole tiles as well as share them: the weight gradient
+    takes a tile wholly inside its group unmasked and masks the others;
+    NaN past the last group must reach neither gradient."""
+    sizes = [300, 5, 0, 211]
+    mat_a = random((526, 40), torch.float32, True)
+    weight = random((4, 40, 24), torch.float32, True)
+    offs = offs_of(sizes)
+    with torch_pallas.backend("tpu_interpret"):
+        out = torch_pallas.grouped_mm(mat_a, weight, offs=offs)
+        check_values(out, mat_a, weight, "tpu_interpret", offs=offs)
+        check_gradients(mat_a, weight, "tpu_interpret", tail=10, offs=offs)
+
+
+@pytest.mark.parametrize("dim, block, expected", [
+    (1792, 1024, 896),   # Mixtral's columns per expert: two tiles, none padded
+    (4096, 1024, 1024),
+    (300, 1024, 384),    # one tile, rounded up to the lanes
+    (11008, 1024, 1024),  # no divisor down to 512: padded to 11264
+])
+def test_chip_tiles_divide_their_dimension_where_they_can(dim, block, expected):
+    from torch_pallas.kernels.shapes import fitted_block
+
+    assert fitted_block(dim, block, 128) == expected

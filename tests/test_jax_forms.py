@@ -109,6 +109,10 @@ CASES = [
                   torch.where(torch.rand(70) < 0.2, -100, torch.randint(0, 300, (70,)))),
          lambda x, w, b, t: torch_pallas.linear_cross_entropy(x, w, t, b, label_smoothing=0.1),
          lambda x, w, b, t: tpj.linear_cross_entropy(x, w, t, b, label_smoothing=0.1)),
+    Case("linear_cross_entropy_chunks",  # two whole chunks of 256 rows, and 88 more
+         lambda: (_r(600, 16), _r(40, 16), _r(40), torch.randint(0, 40, (600,))),
+         lambda x, w, b, t: torch_pallas.linear_cross_entropy(x, w, t, b, reduction="sum"),
+         lambda x, w, b, t: tpj.linear_cross_entropy(x, w, t, b, reduction="sum")),
     Case("linear_cross_entropy_none_softcap_bf16",
          lambda: (_r(3, 21, 32, dtype=torch.bfloat16), _r(130, 32, dtype=torch.bfloat16),
                   torch.randint(0, 130, (3, 21))),

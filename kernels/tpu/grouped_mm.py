@@ -38,7 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 from torch_pallas.kernels import gridless
 from torch_pallas.kernels.grouped_mm_groups import starts, walk_rows
 from torch_pallas.kernels.padding import pad_to
-from torch_pallas.kernels.shapes import cdiv, round_up
+from torch_pallas.kernels.shapes import cdiv, fitted_block, round_up
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
@@ -292,10 +292,14 @@ def compiler_options(backend: str, avals, params) -> dict:
 
 def chip_config(m: int, n: int, k: int, dtype: str) -> GroupedMatmulConfig:
     """CHIP_BLOCKS, each cut to its dimension rounded up to the tile (16
-    rows, 128 lanes): small operands are one tile, not padded to 512."""
+    rows, 128 lanes): small operands are one tile, not padded to 512; N and
+    K tiles that divide their dimension where one of at least half the size
+    does (shapes.fitted_block): Mixtral's 1792 columns per expert in two
+    tiles of 896, not padded to 2048, which copied the weight into a padded
+    one on every call and computed 14% more."""
     bm, bn, bk = CHIP_BLOCKS["bfloat16" if dtype == "bfloat16" else "float32"]
-    return GroupedMatmulConfig(block_m=min(bm, round_up(m, 16)), block_n=min(bn, round_up(n, 128)),
-                               block_k=min(bk, round_up(k, 128)))
+    return GroupedMatmulConfig(block_m=min(bm, round_up(m, 16)), block_n=fitted_block(n, bn, 128),
+                               block_k=fitted_block(k, bk, 128))
 
 
 def select_config(backend: str, avals, params, device=None) -> GroupedMatmulConfig:

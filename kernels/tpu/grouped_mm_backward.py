@@ -8,9 +8,11 @@ tiles, visits): the visits, innermost and read from SMEM, are each group's
 row tiles in order, and one visit for an empty group, so its block is
 written (zeros). A group's output block stays in VMEM while its visits run;
 the float32 accumulator is zeroed at a group's first visit and stored at its
-last. Both operands' rows outside the group are masked with a select, so
-rows past the last group (a gradient's padding) never reach the sums, NaN
-included. K and N tiles are PARALLEL, split across the TensorCores.
+last. In a tile the group shares with another (its first and last), both
+operands' rows outside the group are masked with a select, so rows past the
+last group (a gradient's padding) never reach the sums, NaN included; the
+tiles wholly inside a group go to the MXU as they are. K and N tiles are
+PARALLEL, split across the TensorCores.
 
 On the CPU (`interpret`) the kernel has no grid: its body walks each group's
 rows in static tiles (kernels/grouped_mm_groups.walk_rows), one XLA dot
@@ -106,11 +108,20 @@ def pipelined_kernel(lhs_hbm, rhs_hbm, bounds_hbm, visits_hbm, out_hbm, bounds, 
         def _():
             acc[...] = jnp.zeros_like(acc)
 
-        row = tile * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
-        mine = (row >= bounds[g, 0]) & (row < bounds[g, 1])
-        x, y = lhs_vmem[...], rhs_vmem[...]
-        acc[...] += contract_rows(jnp.where(mine, x, jnp.zeros_like(x)),
-                                  jnp.where(mine, y, jnp.zeros_like(y)))
+        start, end = bounds[g, 0], bounds[g, 1]
+        inside = (tile * bm >= start) & ((tile + 1) * bm <= end)
+
+        @pl.when(inside)  # every row of the tile is the group's
+        def _():
+            acc[...] += contract_rows(lhs_vmem[...], rhs_vmem[...])
+
+        @pl.when(jnp.logical_not(inside))  # a group's first or last tile
+        def _():
+            row = tile * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, 1), 0)
+            mine = (row >= start) & (row < end)
+            x, y = lhs_vmem[...], rhs_vmem[...]
+            acc[...] += contract_rows(jnp.where(mine, x, jnp.zeros_like(x)),
+                                      jnp.where(mine, y, jnp.zeros_like(y)))
 
         @pl.when(last_visit)
         def _():

@@ -26,7 +26,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels import gridless
 from torch_pallas.kernels.padding import pad_to
-from torch_pallas.kernels.shapes import matmul_dims, round_up
+from torch_pallas.kernels.shapes import fitted_block, matmul_dims, round_up
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
@@ -290,7 +290,8 @@ def chip_config(avals, params, device) -> MatmulConfig:
     """The largest blocks of CHIP_BLOCKS that fit the chip's VMEM budget
     (chip.vmem_budget), each cut to its dimension rounded up to the tile
     ((8 or 16 rows, 128 lanes): a small matrix is one block, not padded to
-    512)."""
+    512); N and K blocks that divide their dimension where one of at least
+    half the size does (shapes.fitted_block: no padded copy of an operand)."""
     (a_shape, dtype), (b_shape, _) = avals
     _, m, n, k = matmul_dims(a_shape, b_shape, params["transpose_a"], params["transpose_b"])
     itemsize = 2 if dtype in ("bfloat16", "float16") else 4
@@ -298,7 +299,7 @@ def chip_config(avals, params, device) -> MatmulConfig:
     budget = chip.vmem_budget(device)
     # (float16 runs in float32 on the chip: chip.widening_float16)
     for bm, bn, bk in CHIP_BLOCKS["bfloat16" if dtype == "bfloat16" else "float32"]:
-        bm, bn, bk = min(bm, round_up(m, rows)), min(bn, round_up(n, 128)), min(bk, round_up(k, 128))
+        bm, bn, bk = min(bm, round_up(m, rows)), fitted_block(n, bn, 128), fitted_block(k, bk, 128)
         # a transposed operand's blocks put M or N on the lanes
         if params["transpose_a"]:
             bm = min(max(bm, 128), round_up(m, 128))

@@ -25,9 +25,11 @@ jnp = jax.numpy
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def _chunks(rows: int, hidden: int, vocab: int):
-    step = lce_op.chunk_rows(rows, hidden, vocab)
-    return [(start, min(step, rows - start)) for start in range(0, rows, step)]
+def _split(a, step: int):
+    """a's rows as the whole chunks of `step` rows, stacked (n, step, ...),
+    and the rest (fewer than `step` rows)."""
+    whole = a.shape[0] // step * step
+    return a[:whole].reshape(-1, step, *a.shape[1:]), a[whole:]
 
 
 def _logits(x, weight, bias):
@@ -40,38 +42,56 @@ def _product(a, b, transpose_a=False):
     return calls.run("matmul", a[None], b[None], transpose_a=transpose_a, transpose_b=False)[0]
 
 
+def _over_chunks(chunk, carry, rows: int, step: int, *arrays):
+    """`chunk(carry, *rows of arrays) -> (carry, outputs)` over the arrays'
+    rows in chunks of `step`: the whole chunks in a `lax.scan` (one chunk's
+    logits alive at a time: an unrolled loop let XLA schedule every chunk's
+    at once, 17.8 GB for 8192 tokens of a 128256-word vocabulary), then the
+    rest; the outputs' rows joined in order."""
+    whole, rest = zip(*(_split(a, step) for a in arrays))
+    carry, outputs = jax.lax.scan(lambda c, xs: chunk(c, *xs), carry, whole)
+    outputs = [o.reshape(-1, *o.shape[2:]) for o in outputs]
+    if rows % step:
+        carry, last = chunk(carry, *rest)
+        outputs = [jnp.concatenate([o, r]) for o, r in zip(outputs, last)]
+    return carry, outputs
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _loss_rows(x, weight, bias, t32, smoothing: float, softcap: float):
     return _loss_rows_forward(x, weight, bias, t32, smoothing, softcap)[0]
 
 
 def _loss_rows_forward(x, weight, bias, t32, smoothing, softcap):
-    losses, lses = [], []
-    for start, size in _chunks(x.shape[0], x.shape[1], weight.shape[0]):
-        z = _logits(x[start:start + size], weight, bias)
-        loss, lse = calls.run("linear_cross_entropy", z, t32[start:start + size],
+    rows, hidden = x.shape
+    step = lce_op.chunk_rows(rows, hidden, weight.shape[0])
+
+    def chunk(carry, xc, tc):
+        loss, lse = calls.run("linear_cross_entropy", _logits(xc, weight, bias), tc,
                               smoothing=smoothing, softcap=softcap)
-        losses.append(loss)
-        lses.append(lse)
-    loss = jnp.concatenate(losses) if losses else jnp.zeros((0,), jnp.float32)
-    lse = jnp.concatenate(lses) if lses else jnp.zeros((0,), jnp.float32)
+        return carry, (loss, lse)
+
+    _, (loss, lse) = _over_chunks(chunk, None, rows, step, x, t32)
     return loss, (x, weight, bias, t32, lse)
 
 
 def _loss_rows_backward(smoothing, softcap, saved, g):
     x, weight, bias, t32, lse = saved
+    rows, hidden = x.shape
+    step = lce_op.chunk_rows(rows, hidden, weight.shape[0])
     scale = jnp.where(t32 >= 0, g.astype(jnp.float32), 0.0)
-    d_x, d_weight = [], jnp.zeros(weight.shape, jnp.float32)
-    d_bias = jnp.zeros(weight.shape[:1], jnp.float32)
-    for start, size in _chunks(x.shape[0], x.shape[1], weight.shape[0]):
-        xc, rows = x[start:start + size], slice(start, start + size)
-        dz = calls.run("linear_cross_entropy_backward", _logits(xc, weight, bias), t32[rows],
-                       lse[rows], scale[rows], smoothing=smoothing, softcap=softcap)
-        d_x.append(_product(dz, weight))
+
+    def chunk(sums, xc, tc, lc, sc):
+        d_weight, d_bias = sums
+        dz = calls.run("linear_cross_entropy_backward", _logits(xc, weight, bias), tc, lc, sc,
+                       smoothing=smoothing, softcap=softcap)
         d_weight = d_weight + _product(dz, xc, transpose_a=True).astype(jnp.float32)
         d_bias = d_bias + dz.astype(jnp.float32).sum(0)
-    d_x = jnp.concatenate(d_x) if d_x else jnp.zeros(x.shape, x.dtype)
-    return (d_x, d_weight.astype(weight.dtype),
+        return (d_weight, d_bias), (_product(dz, weight),)
+
+    zeros = (jnp.zeros(weight.shape, jnp.float32), jnp.zeros(weight.shape[:1], jnp.float32))
+    (d_weight, d_bias), (d_x,) = _over_chunks(chunk, zeros, rows, step, x, t32, lse, scale)
+    return (d_x.astype(x.dtype), d_weight.astype(weight.dtype),
             None if bias is None else d_bias.astype(bias.dtype), None)
 
 

@@ -45,17 +45,20 @@ from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 from torch_pallas.kernels.tpu.matmul import ONEDNN_16BIT_DOT, onednn_takes_16bit
 
 
-# (rows, N, K) per tile on a chip, at most, by operand dtype: 128-tiles
-# (the simulator's) ran at 9.4-9.7 TFLOP/s on v5e where megablox's 512 x
-# 1024 x 1024 took 57-75; a tile's rows past its group are computed and
-# dropped, so rows stay at 512. 8 groups of 16384 x 4096 x 1792 bfloat16 on
-# v5e, forward / dA / dW kernels (ms): 512 x 1024 x 512 2.55 / 2.81 / 2.70;
-# 512 x 1024 x 1024 2.47 / 2.63 / 2.53; 512 x 2048 x 512 2.46 / 2.67 /
-# 2.57; 256 x 1024 x 1024 2.63 / 2.93 / 2.45 (megablox 1.98 forward). float32
-# at HIGHEST splits its blocks into bfloat16 parts in VMEM: 512 x 1024 x 512
-# overflowed Mosaic's 16 MiB on v5e, 512^3 fits (float16 runs as float32:
-# chip.widening_float16).
-CHIP_BLOCKS = {"bfloat16": (512, 1024, 1024), "float32": (512, 512, 512)}
+# (rows, N, K) per tile on a chip, at most, by operand dtype, each cut to
+# divide its dimension where it can (chip_config). 128-tiles (the
+# simulator's) ran at 9.4-9.7 TFLOP/s on v5e where megablox's 512 x 1024 x
+# 1024 took 57-75; a tile's rows past its group are computed and dropped, so
+# rows stay at 512. 8 groups of 16384 x 4096 x 1792 bfloat16 on v5e, the
+# forward / dA / dW kernels (ms; 2026-12-06, 64 MiB of scoped VMEM, each
+# tiling cut to divide 1792): 512 x 1024 x 1024 1.80 / 1.92 / 1.86; 512 x
+# 1024 x 2048 1.73 / 1.77 / 1.77; 512 x 2048 x 1024 1.72 / 1.78 / 1.77; 256
+# rows 2.08 / 2.22 / 1.86; 1024 rows 2.01 / 2.08 / 2.05; 512 x 1024 x 1024
+# padded to 2048 columns (before fitting) 2.58 / 2.67 / 2.56. megablox's gmm
+# 1.77, gmm + tgmm 3.65. float32 at HIGHEST splits its blocks into bfloat16
+# parts in VMEM: 512 x 1024 x 512 overflowed Mosaic's 16 MiB on v5e, 512^3
+# fits (float16 runs as float32: chip.widening_float16).
+CHIP_BLOCKS = {"bfloat16": (512, 1024, 2048), "float32": (512, 512, 512)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +74,9 @@ class GroupedMatmulConfig:
     # yields the output's dtype itself, accumulating in float32 and rounding
     # once (a row of the output is one dot over all of K).
     dot_in_output_dtype: bool = False
+    # On a chip: the scoped VMEM asked of Mosaic (chip.vmem_limit); None:
+    # its default.
+    vmem_limit: int | None = None
 
     @classmethod
     def default(cls, backend: str) -> "GroupedMatmulConfig":
@@ -236,6 +242,7 @@ def pipelined(lhs, rhs, ends, bias, *, transpose_rhs, out_dtype, config, num_cor
         mesh=tensorcore_mesh(num_cores),
         scratch_types=[pltpu.SMEM(bounds.shape, jnp.int32), pltpu.SMEM(visits.shape, jnp.int32),
                        pltpu.VMEM((bm, bn), jnp.float32)],
+        compiler_params=chip.compiler_params(config.vmem_limit),
         interpret=interpret,
     )(*inputs)
     return out[:m, :n]
@@ -290,7 +297,7 @@ def compiler_options(backend: str, avals, params) -> dict:
     return ONEDNN_16BIT_DOT if cpu_16bit_dot(backend, avals, params) else {}
 
 
-def chip_config(m: int, n: int, k: int, dtype: str) -> GroupedMatmulConfig:
+def chip_config(m: int, n: int, k: int, dtype: str, device=None) -> GroupedMatmulConfig:
     """CHIP_BLOCKS, each cut to its dimension rounded up to the tile (16
     rows, 128 lanes): small operands are one tile, not padded to 512; N and
     K tiles that divide their dimension where one of at least half the size
@@ -299,14 +306,15 @@ def chip_config(m: int, n: int, k: int, dtype: str) -> GroupedMatmulConfig:
     one on every call and computed 14% more."""
     bm, bn, bk = CHIP_BLOCKS["bfloat16" if dtype == "bfloat16" else "float32"]
     return GroupedMatmulConfig(block_m=min(bm, round_up(m, 16)), block_n=fitted_block(n, bn, 128),
-                               block_k=fitted_block(k, bk, 128))
+                               block_k=fitted_block(k, bk, 128),
+                               vmem_limit=chip.vmem_limit(device))
 
 
 def select_config(backend: str, avals, params, device=None) -> GroupedMatmulConfig:
     if backend == "tpu":
         (lhs, dtype), (rhs, _), *_ = avals
         n = rhs[1] if params["transpose_rhs"] else rhs[2]
-        return chip_config(lhs[0], n, lhs[1], dtype)
+        return chip_config(lhs[0], n, lhs[1], dtype, device)
     config = GroupedMatmulConfig.default(backend)
     if cpu_16bit_dot(backend, avals, params):
         return dataclasses.replace(config, dot_in_output_dtype=True)

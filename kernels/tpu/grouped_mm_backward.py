@@ -153,6 +153,7 @@ def pipelined(lhs, rhs, ends, *, out_dtype, config, num_cores, interpret):
         mesh=tensorcore_mesh(num_cores),
         scratch_types=[pltpu.SMEM(bounds.shape, jnp.int32), pltpu.SMEM(visits.shape, jnp.int32),
                        pltpu.VMEM((bk, bn), jnp.float32)],
+        compiler_params=chip.compiler_params(config.vmem_limit),
         interpret=interpret,
     )(pad_to(lhs, (mp, kp)), pad_to(rhs, (mp, np_)), bounds, visits)
     return out[:, :k, :n]
@@ -202,7 +203,7 @@ def select_config(backend: str, avals, params, device=None) -> GroupedMatmulConf
     """On a chip, its tiles cut to (rows, K, N) (grouped_mm.chip_config)."""
     if backend == "tpu":
         (lhs, dtype), (rhs, _), _ = avals
-        return chip_config(lhs[0], rhs[1], lhs[1], dtype)
+        return chip_config(lhs[0], rhs[1], lhs[1], dtype, device)
     return GroupedMatmulConfig.default(backend)
 
 

@@ -41,6 +41,9 @@ class MatmulConfig:
     # The CPU's 16-bit GEMM (oneDNN, see cpu_library): the dot yields the
     # output's dtype itself, accumulating in float32 and rounding once.
     dot_in_output_dtype: bool = False
+    # On a chip: the scoped VMEM asked of Mosaic (chip.vmem_limit); None:
+    # its default.
+    vmem_limit: int | None = None
 
     @classmethod
     def default(cls, backend: str) -> "MatmulConfig":
@@ -160,6 +163,7 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
         out_type=jax.ShapeDtypeStruct((bp, mp, np_), a.dtype),
         mesh=tensorcore_mesh(num_cores),
         scratch_types=scratch,
+        compiler_params=chip.compiler_params(config.vmem_limit),
         interpret=interpret,
     )(padded(a, mp, kp, transpose_a), padded(b, kp, np_, transpose_b))
     return out[:batch, :m, :n]
@@ -270,11 +274,16 @@ def compiler_options(backend: str, avals, params) -> dict:
 
 # The chip's blocks (bm, bn, bk) by operand dtype, largest first: JAX's
 # Pallas TPU matmul guide reaches 91.5% of v5e's peak at 8192^3 in bfloat16
-# with 512 x 1024 x 1024 blocks and ~6% with 128-blocks. float32 at HIGHEST
-# splits each block into bfloat16 parts in VMEM: 512 x 1024 x 512 blocks
-# overflowed Mosaic's 16 MiB on v5e (CompileTimeScopedVmemOom), 512^3 fit.
+# with 512 x 1024 x 1024 blocks and ~6% with 128-blocks. bfloat16 on v5e
+# with 64 MiB of scoped VMEM (ms at 4096^3 / 8192^3): 512 x 1024 x 1024
+# 0.882 / 6.09, 1024 x 1024 x 512 0.879 / 6.06, 512 x 1024 x 2048 0.857 /
+# 5.94, 1024^3 0.860 / 5.93, 256 x 1024 x 1024 1.08 / 7.51. float32 at
+# HIGHEST splits each block into bfloat16 parts in VMEM: 512 x 1024 x 512
+# blocks overflowed Mosaic's 16 MiB on v5e (CompileTimeScopedVmemOom), 512^3
+# fit.
 CHIP_BLOCKS = {
-    "bfloat16": ((512, 1024, 1024), (512, 512, 512), (256, 256, 256), (128, 128, 128)),
+    "bfloat16": ((1024, 1024, 1024), (512, 1024, 1024), (512, 512, 512), (256, 256, 256),
+                 (128, 128, 128)),
     "float32": ((512, 512, 512), (256, 512, 512), (256, 256, 256), (128, 128, 128)),
 }
 
@@ -287,8 +296,8 @@ def vmem_bytes(bm: int, bn: int, bk: int, itemsize: int, k_steps: int) -> int:
 
 
 def chip_config(avals, params, device) -> MatmulConfig:
-    """The largest blocks of CHIP_BLOCKS that fit the chip's VMEM budget
-    (chip.vmem_budget), each cut to its dimension rounded up to the tile
+    """The largest blocks of CHIP_BLOCKS that fit the scoped VMEM asked of
+    Mosaic (chip.vmem_limit), each cut to its dimension rounded up to the tile
     ((8 or 16 rows, 128 lanes): a small matrix is one block, not padded to
     512); N and K blocks that divide their dimension where one of at least
     half the size does (shapes.fitted_block: no padded copy of an operand)."""
@@ -296,7 +305,7 @@ def chip_config(avals, params, device) -> MatmulConfig:
     _, m, n, k = matmul_dims(a_shape, b_shape, params["transpose_a"], params["transpose_b"])
     itemsize = 2 if dtype in ("bfloat16", "float16") else 4
     rows = 16 if itemsize == 2 else 8
-    budget = chip.vmem_budget(device)
+    limit = chip.vmem_limit(device)
     # (float16 runs in float32 on the chip: chip.widening_float16)
     for bm, bn, bk in CHIP_BLOCKS["bfloat16" if dtype == "bfloat16" else "float32"]:
         bm, bn, bk = min(bm, round_up(m, rows)), fitted_block(n, bn, 128), fitted_block(k, bk, 128)
@@ -304,8 +313,8 @@ def chip_config(avals, params, device) -> MatmulConfig:
         if params["transpose_a"]:
             bm = min(max(bm, 128), round_up(m, 128))
         wide = 4 if dtype == "float16" else itemsize
-        if vmem_bytes(bm, bn, bk, wide, round_up(k, bk) // bk) <= budget * 3 // 4:
-            return MatmulConfig(block_b=1, block_m=bm, block_n=bn, block_k=bk)
+        if vmem_bytes(bm, bn, bk, wide, round_up(k, bk) // bk) <= limit * 3 // 4:
+            return MatmulConfig(block_b=1, block_m=bm, block_n=bn, block_k=bk, vmem_limit=limit)
     return MatmulConfig.default("tpu")
 
 

@@ -4,7 +4,8 @@
 # index into .tpu-deps/ (kept between runs) and lays this checkout out as
 # the installed package would be (ops/ and kernels/ inside torch_pallas),
 # without letting pip touch the machine's JAX. Then, from the checkout:
-#   pytest -m tpu -n 0 -o addopts=""          # one process holds the chip
+#   pytest tests/test_tpu_backend.py -m tpu -o addopts=""   # one process holds the chip
+#   TORCH_PALLAS_BACKEND=tpu pytest tests/test_jax_forms.py -o addopts="" -m "not exhaustive"
 #   python -m torch_pallas --backend tpu
 #   python bench/tpu_check.py --out results/
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

@@ -1,6 +1,7 @@
 """torch_pallas.jax, the JAX-side form of every op, against the torch ops on
-the same (CPU, interpreted) kernels: values and every gradient, on fresh
-random ragged shapes, eagerly and under jax.jit."""
+the same kernels (CPU, interpreted; on a TPU chip with
+TORCH_PALLAS_BACKEND=tpu): values and every gradient, on fresh random ragged
+shapes, eagerly and under jax.jit."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 import torch_pallas
 import torch_pallas.jax as tpj
+from torch_pallas.jax import calls
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -129,6 +131,8 @@ def _differentiable(args):
 def _assert_close(name, ours, theirs, dtype):
     theirs = theirs.detach().float()
     tol = TOLERANCE.get(dtype, 2e-5)
+    if dtype == torch.float32:  # a chip's float32 exp and log are coarser than the CPU's
+        tol *= calls.backend("test_jax_forms").float32_allowance
     scale = max(1.0, theirs.abs().max().item())
     err = (to_torch(ours) - theirs).abs().max().item() if theirs.numel() else 0.0
     assert err <= tol * scale, f"{name}: max |jax - torch| = {err:.3g} > {tol * scale:.3g}"

@@ -161,7 +161,7 @@ def runs_directly(op) -> Callable[..., bool] | None:
     CPU tensors (of type torch.Tensor or nn.Parameter, strided, with no
     conjugate or other extra dispatch key; inference tensors too) and
     values of the types the schema names (_DIRECT_KINDS: a factory's size,
-    value, dtype and device), with nothing intercepting it (no
+    value, dtype and device, a CPU one), with nothing intercepting it (no
     Dynamo trace, and torch_compat.EAGER.unintercepted: no mode, functorch
     transform, autocast, JIT trace, profiler or forward-AD level) and no
     kernel registered for the CPU key itself. For a composite
@@ -200,6 +200,8 @@ def runs_directly(op) -> Callable[..., bool] | None:
         for keyword, value in kwargs.items():
             if type(value) not in keywords.get(keyword, ()):
                 return False
+            if type(value) is torch.device and value.type != "cpu":
+                return False  # a factory for another device: its kernel there, if any
         if not differentiates and grad_enabled() and any_requires_grad(*args):
             return False
         return unintercepted() and not has_cpu_kernel(name)

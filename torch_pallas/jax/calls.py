@@ -87,6 +87,11 @@ def building_for_tpu(chip=None) -> Iterator[None]:
         _building_for.reset(token)
 
 
+def building() -> bool:
+    """Whether a building_for_tpu block is open here."""
+    return _building_for.get() is not None
+
+
 def backend(op: str) -> Backend:
     """The backend a JAX-side call of `op` runs on (see the module's
     docstring); a requested backend of another family raises BackendError."""

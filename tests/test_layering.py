@@ -25,8 +25,8 @@ LAYERS = (
     ("torch_pallas.library",),
     ("torch_pallas.ops", "torch_pallas.custom_ops"),
     ("torch_pallas.nn", "torch_pallas.distributed", "torch_pallas.jax"),
-    # model patching, on nn's layers and replace_linear; torchax, on the JAX forms
-    ("torch_pallas.transformers", "torch_pallas.torchax"),
+    # model patching, on nn's layers and replace_linear; torchax and torch_tpu, on the JAX forms
+    ("torch_pallas.transformers", "torch_pallas.torchax", "torch_pallas.torch_tpu"),
     ("torch_pallas",),  # the public API and the environment report (__main__)
 )
 

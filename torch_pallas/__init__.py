@@ -23,7 +23,8 @@ The package in layers, each importing only the layers below it
 - integrations, on the ops: `nn/` (layers and `replace_linear`),
   `distributed/`, `jax/` (`torch_pallas.jax`: the ops as functions of JAX
   arrays, on the same kernels); above `nn/`, `transformers/` (`attn_implementation=
-  "pallas"`, and `apply`, which puts a model on every op);
+  "pallas"`, and `apply`, which puts a model on every op); `torchax` and
+  `torch_tpu` (the ops on those libraries' tensors, through `jax/`);
 - this module and `__main__` (the environment report) on top.
 """
 
@@ -38,8 +39,10 @@ from torch_pallas.runtime.simulators import race_detection
 from torch_pallas.custom_ops import custom_op
 from torch_pallas.ops.matmul import linear
 from torch_pallas.distributed import register_when_dtensor_loads
+from torch_pallas import torch_tpu as _torch_tpu
 
 register_when_dtensor_loads()  # the ops' sharding rules, once DTensor is loaded
+_torch_tpu.register_if_loaded()  # tpu kernels where torch_tpu is loaded (it imports nothing else)
 
 _OPS = [info.name for info in _registered_ops()]
 globals().update({info.name: info.function for info in _registered_ops()})

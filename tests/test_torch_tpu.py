@@ -291,7 +291,7 @@ def test_torch_tpu_is_detected_as_it_exposes_itself():
 
 
 def test_import_registers_a_tpu_kernel_for_every_op_with_a_device_kernel():
-    assert tt._state["registered"]  # by `import torch_pallas`, not by a test
+    assert tt._state["library"] is not None  # by `import torch_pallas`, not by a test
     ops = _pallas_ops()
     with_kernels = {n for n, key in ops.items() if key == "CompositeExplicitAutograd"}
     assert with_kernels == set(tt.KERNELS)
@@ -349,6 +349,7 @@ JAX_OP_SCHEMAS = {
 
 
 def test_jax_op_schemas():
+    tt.register()
     assert set(JAX_OP_SCHEMAS) == set(tt.KERNELS)
     for name, schema in JAX_OP_SCHEMAS.items():
         assert str(getattr(torch.ops.pallas_tpu, name).default._schema) == \
@@ -377,6 +378,7 @@ def test_factories_reach_their_tpu_kernel_by_their_device(monkeypatch):
 
 def test_register_says_why_where_torch_tpu_is_absent(monkeypatch):
     monkeypatch.setitem(tt._state, "registered", False)
+    monkeypatch.setitem(tt._state, "library", None)
     monkeypatch.setitem(sys.modules, "torch_tpu", None)  # `import torch_tpu` raises ImportError
     monkeypatch.delattr(torch, "tpu")
     assert not tt.loaded()
@@ -389,12 +391,23 @@ def test_register_says_why_where_torch_tpu_is_absent(monkeypatch):
 def test_import_torch_pallas_leaves_torch_tpu_and_jax_alone_where_not_loaded():
     code = ("import sys, torch, torch_pallas; "
             "print(sorted(m for m in ('torch_tpu', 'jax') if m in sys.modules), "
-            "torch_pallas.torch_tpu._state['registered'])")
+            "torch_pallas.torch_tpu._state['library'] is not None)")
     env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "[] False"
+
+
+def test_import_torch_pallas_registers_the_kernels_but_imports_no_jax_where_loaded():
+    code = ("import sys, torch, torch_pallas, torch._C as C; "
+            "print('torch_tpu' in sys.modules, 'jax' in sys.modules, "
+            "C._dispatch_has_kernel_for_dispatch_key('pallas::matmul', 'PrivateUse1'), "
+            "hasattr(torch.ops.pallas_tpu, 'matmul'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "True False True False"
 
 
 # --- the jax_ops' fakes, on meta tensors -------------------------------------------------
@@ -464,6 +477,7 @@ def record_calls() -> Recorder:
 
 @pytest.fixture(scope="module")
 def recorded():
+    tt.register()  # the jax_ops, which the tests of their fakes call
     return record_calls()
 
 

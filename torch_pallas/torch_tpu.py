@@ -30,10 +30,12 @@ through their `tpu` kernels). The composites (`attention`,
 `varlen_attention`, `rms_norm`, `layer_norm`, `linear_cross_entropy`)
 need no kernel of their own: they call the others.
 
-`import torch_pallas` registers at once where torch_tpu is loaded (and
-warns, instead of failing, where that goes wrong); elsewhere it imports
-nothing of torch_tpu or JAX. `register()` called explicitly raises
-ImportError saying why where torch_tpu is not there.
+`import torch_pallas` registers the `tpu` kernels where torch_tpu is loaded
+(and warns, instead of failing, where that goes wrong), importing no JAX:
+the jax_ops are defined at the first `tpu` kernel's call. Where torch_tpu
+is not loaded it imports nothing of torch_tpu or JAX. `register()` does
+both at once, and raises ImportError saying why where torch_tpu is not
+there.
 
 What the JAX-side forms do not take is refused on `tpu` tensors with the
 op, the argument and its value (NotImplementedError): attention's dense
@@ -349,6 +351,7 @@ def _op(name: str):
 def _call(name: str, *args):
     """The jax_op `pallas_tpu::<name>` on torch_tpu's chip (its export
     lowered there, for that chip)."""
+    define_jax_ops()
     with building_for():
         return _op(name)(*args)
 
@@ -648,57 +651,82 @@ def _by_device(op):
     return select
 
 
-def register() -> None:
-    """Registers the `pallas_tpu::` jax_ops and the PrivateUse1 (`tpu`)
-    kernel of every `pallas::` op that has a device kernel (see the
-    module's docstring). Idempotent. Raises ImportError where torch_tpu
-    is not installed or not loaded."""
-    if _state["registered"]:
+def _check_loaded(where: str) -> None:
+    """Raises ImportError saying why unless torch_tpu is loaded (importing
+    it where it is installed but was not autoloaded)."""
+    if loaded():
         return
-    if not loaded():
-        installed = version()
-        try:
-            import torch_tpu  # noqa: F401  (installs torch.tpu)
-        except Exception as error:
-            raise ImportError(
-                "torch_pallas.torch_tpu.register: torch_tpu does not import here "
-                f"({DISTRIBUTION} {installed or 'is not installed'}; torch {torch.__version__}): "
-                f"{type(error).__name__}: {error}. pip install torch-tpu (with its libtpu), "
-                "for torch 2.11-2.15 on Linux") from error
-        if not loaded():
-            raise ImportError(
-                f"torch_pallas.torch_tpu.register: torch_tpu {installed} imported but did not "
-                "install torch.tpu (its Pallas interop, torch.tpu.pallas.jax_op, lives there)")
+    installed = version()
     try:
-        jax_op = _jax_op()
+        import torch_tpu  # noqa: F401  (installs torch.tpu)
     except Exception as error:
         raise ImportError(
-            f"torch_pallas.torch_tpu.register: torch_tpu's torch.tpu.pallas.jax_op is not "
-            f"available: {type(error).__name__}: {error}") from error
+            f"{where}: torch_tpu does not import here ({DISTRIBUTION} "
+            f"{installed or 'is not installed'}; torch {torch.__version__}): "
+            f"{type(error).__name__}: {error}. pip install torch-tpu (with its libtpu), "
+            "for torch 2.11-2.15 on Linux") from error
+    if not loaded():
+        raise ImportError(f"{where}: torch_tpu {installed} imported but did not install "
+                          "torch.tpu (its Pallas interop, torch.tpu.pallas.jax_op, lives there)")
+
+
+def _register_kernels() -> None:
+    """The pallas:: ops' PrivateUse1 kernels (and the factories' device
+    choice): plain Python, no JAX imported."""
+    if _state["library"] is not None:
+        return
     import torch_pallas.ops  # noqa: F401  (the pallas:: ops)
 
-    with warnings.catch_warnings():  # jax_op's "experimental" warning, once per op
-        warnings.simplefilter("ignore")
-        for name, function in jax_functions().items():
-            if not hasattr(getattr(torch.ops, NAMESPACE), name):
-                jax_op(f"{NAMESPACE}::{name}")(function)
     library = torch.library.Library("pallas", "IMPL")
     for name, kernel in KERNELS.items():
         library.impl(name, kernel, "PrivateUse1")
     for name in FACTORIES:
         library.impl(name, _by_device(getattr(torch.ops.pallas, name).default), "BackendSelect",
                      with_keyset=True)
-    _state.update(registered=True, library=library)
+    _state["library"] = library
+
+
+def define_jax_ops() -> None:
+    """Defines the `pallas_tpu::` jax_ops through torch_tpu's
+    `torch.tpu.pallas.jax_op` (importing JAX): at the first tpu kernel's
+    call, or in `register()`. Idempotent."""
+    if _state["registered"]:
+        return
+    _check_loaded("torch_pallas.torch_tpu")
+    try:
+        jax_op = _jax_op()
+    except Exception as error:
+        raise ImportError(
+            f"torch_pallas.torch_tpu: torch_tpu's torch.tpu.pallas.jax_op is not available: "
+            f"{type(error).__name__}: {error}") from error
+    with warnings.catch_warnings():  # jax_op's "experimental" warning, once per op
+        warnings.simplefilter("ignore")
+        for name, function in jax_functions().items():
+            if not hasattr(getattr(torch.ops, NAMESPACE), name):
+                jax_op(f"{NAMESPACE}::{name}")(function)
+    _state["registered"] = True
+
+
+def register() -> None:
+    """Registers the PrivateUse1 (`tpu`) kernel of every `pallas::` op that
+    has a device kernel and the `pallas_tpu::` jax_ops they call (see the
+    module's docstring). Idempotent. Raises ImportError where torch_tpu is
+    not installed or not loaded."""
+    _check_loaded("torch_pallas.torch_tpu.register")
+    _register_kernels()
+    define_jax_ops()
 
 
 def register_if_loaded() -> None:
-    """`register()` where torch_tpu is loaded (import torch_pallas calls
-    this); a failure warns, and torch_pallas imports as ever. Does nothing,
-    importing nothing, where torch_tpu is not loaded."""
+    """Where torch_tpu is loaded (import torch_pallas calls this), the
+    ops' `tpu` kernels, which define their jax_ops at their first call:
+    nothing here imports JAX, as `import torch_pallas` never does. A
+    failure warns, and torch_pallas imports as ever. Does nothing, importing
+    nothing, where torch_tpu is not loaded."""
     if not loaded():
         return
     try:
-        register()
+        _register_kernels()
     except Exception as error:
         warnings.warn(f"torch_pallas: torch_tpu is loaded, but torch_pallas's ops could not be "
                       f"given tpu kernels: {type(error).__name__}: {error}", RuntimeWarning,

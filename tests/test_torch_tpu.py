@@ -19,7 +19,9 @@ name "privateuseone" and holds no tensor with data:
   promises (shapes, dtypes, strides);
 - fake `privateuseone` tensors (FakeTensor over meta: torch_tpu creates
   no tensor without a chip): make_fx and torch.compile(backend="eager",
-  fullgraph=True) of the ops, with symbolic shapes too. Not possible here:
+  fullgraph=True) of the ops, with symbolic shapes too, and a transformers
+  Mixtral with attn_implementation and experts_implementation "pallas"
+  after apply(), whose forward's graph holds the ops. Not possible here:
   autograd over them (torch's autograd engine records an event through
   torch_tpu's device guard, which aborts the process without a chip), and
   torch_tpu's own compile backend (it runs the graph on the chip);
@@ -51,7 +53,11 @@ import torch
 import torch_pallas
 from torch_pallas import torch_tpu as tt
 
-pytestmark = pytest.mark.torch_tpu
+pytestmark = [
+    pytest.mark.torch_tpu,
+    # torch_tpu, asked for the device of a fake tpu tensor without a chip
+    pytest.mark.filterwarnings("ignore:.*PJRT client not available:UserWarning"),
+]
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -585,6 +591,42 @@ def test_make_fx_and_compile_on_fake_tpu_tensors():
         grads = torch.ops.pallas.attention_backward(q, q, q, out, out, lse, None, 0.25, True)
     assert [g.shape for g in grads] == [q.shape] * 3
     assert all(g.device.type == tt.device_type() for g in grads)
+
+
+def test_a_transformers_model_on_fake_tpu_tensors_reaches_the_ops():
+    """A tiny Mixtral with attn_implementation and experts_implementation
+    "pallas", after apply(), moved to fake tpu tensors: its forward's graph
+    holds the ops (no CPU-only path, no value read back)."""
+    transformers = pytest.importorskip("transformers")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import torch_pallas.transformers
+    from torch_pallas.transformers import experts
+
+    config = transformers.MixtralConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, intermediate_size=40,
+        num_local_experts=6, num_experts_per_tok=2)
+    torch_pallas.transformers.register()  # "pallas" for attn_ and experts_implementation
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="pallas", experts_implementation="pallas")
+    torch_pallas.transformers.apply(model)
+    for m in model.modules():  # the experts' activation check runs once on CPU values
+        if isinstance(getattr(m, "act_fn", None), torch.nn.Module):
+            experts._is_silu(type(m.act_fn))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device(tt.device_type(), 0)
+    with mode:
+        model = model.to(device)
+        ids = torch.randint(0, 97, (2, 9)).to(device)
+        graph = make_fx(lambda i: model(input_ids=i).logits)(ids)
+        logits = model(input_ids=ids).logits
+    targets = {str(n.target) for n in graph.graph.nodes if n.op == "call_function"}
+    assert {f"pallas.{op}.default" for op in ("attention_forward", "grouped_mm", "swiglu",
+                                               "matmul", "rms_norm_forward",
+                                               "rotary_embedding")} <= targets
+    assert logits.device.type == tt.device_type() and logits.shape == (2, 9, 97)
 
 
 def test_symbolic_shapes_on_fake_tpu_tensors():

@@ -23,6 +23,7 @@ SERVES = {  # the parts each probe's private path serves
     "eager_direct": {"ops", "autograd", "autocast", "layers"},
     "fp32_precision": {"precision"},
     "sharding_key": {"sharding"},
+    "device_dispatch": {"devices"},
 }
 parts = set().union(*SERVES.values()) if public == "all" else SERVES[public]
 
@@ -104,5 +105,9 @@ if "sharding" in parts:  # the backward op, whose decisions need more keys, gets
     rules = torch_compat._sharding_schema_infos()  # torch's own record, read directly
     assert torch.ops.pallas.grouped_mm.default in rules
     assert torch.ops.pallas.grouped_mm_backward.default not in rules
+
+if "devices" in parts:  # PrivateUse1's name from a device parse, no device key sets
+    assert torch_compat.privateuse1_name("tpu") in ("tpu", "privateuseone")
+    assert torch_compat.device_key_set("cpu") is None
 
 print("OK")

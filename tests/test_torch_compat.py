@@ -20,6 +20,11 @@ from torch_pallas.runtime import bridge, compile_cache
 WORKLOAD = Path(__file__).with_name("compat_workload.py")
 
 
+def test_the_private_device_dispatch_agrees_with_the_public_reads():
+    assert torch_compat.privateuse1_name("tpu") == torch._C._get_privateuse1_backend_name()
+    assert torch_compat.device_key_set("cpu") == torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+
 def test_this_torch_offers_every_private_path():
     """The fast paths are in use here (the fallbacks are for other torch
     versions)."""

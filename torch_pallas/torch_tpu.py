@@ -56,6 +56,8 @@ import warnings
 
 import torch
 
+from torch_pallas.base import torch_compat
+
 DISTRIBUTION = "torch-tpu"
 NAMESPACE = "pallas_tpu"  # torch.ops.pallas_tpu.<name>: the jax_op ops
 
@@ -82,7 +84,7 @@ def loaded() -> bool:
 def device_type() -> str:
     """The PrivateUse1 device's name: "tpu" once torch_tpu found a chip,
     "privateuseone" where it did not."""
-    return torch._C._get_privateuse1_backend_name()
+    return torch_compat.privateuse1_name("tpu")
 
 
 def _jax_op():
@@ -645,8 +647,7 @@ def _by_device(op):
     def select(keyset, *args, **kwargs):
         device = kwargs.get("device")
         device = torch.device(device) if device is not None else torch.get_default_device()
-        key = getattr(torch._C.DispatchKey, torch._C._dispatch_key_for_device(device.type))
-        return op.redispatch(torch._C.DispatchKeySet(key), *args, **kwargs)
+        return op.redispatch(torch_compat.device_key_set(device.type), *args, **kwargs)
 
     return select
 
@@ -680,9 +681,10 @@ def _register_kernels() -> None:
     library = torch.library.Library("pallas", "IMPL")
     for name, kernel in KERNELS.items():
         library.impl(name, kernel, "PrivateUse1")
-    for name in FACTORIES:
-        library.impl(name, _by_device(getattr(torch.ops.pallas, name).default), "BackendSelect",
-                     with_keyset=True)
+    if torch_compat.available()["device_dispatch"]:  # else their CPU kernels refuse tpu
+        for name in FACTORIES:
+            library.impl(name, _by_device(getattr(torch.ops.pallas, name).default),
+                         "BackendSelect", with_keyset=True)
     _state["library"] = library
 
 

@@ -33,6 +33,10 @@ probe                private path                       public fallback
                      cached sharding decisions are      (DTensor refuses it by name) where
                      keyed on (``register_sharding``    its decisions need keys that
                      keys on int arguments only)        ``register_sharding`` leaves out
+``device_dispatch``  PrivateUse1's name, and a          the name by parsing it as a device;
+                     device's dispatch key set (a       no such kernel: fill and iota for
+                     factory op's BackendSelect         torch_tpu's device are refused by
+                     kernel, torch_pallas.torch_tpu)    their CPU kernels
 ===================  =================================  ====================================
 
 `TORCH_PALLAS_PUBLIC_API` (probe names, comma-separated, or ``all``), set
@@ -53,7 +57,7 @@ import torch
 from torch.autograd import forward_ad
 
 PROBES = ("autograd_kernel", "autocast_kernel", "tracing_types", "symint_hint", "eager_direct",
-          "fp32_precision", "sharding_key")
+          "fp32_precision", "sharding_key", "device_dispatch")
 ENV_VAR = "TORCH_PALLAS_PUBLIC_API"
 
 
@@ -87,7 +91,8 @@ def available() -> dict[str, bool]:
             "symint_hint": _SYMINT_HAS_NODE is not None,
             "eager_direct": EAGER is not None,
             "fp32_precision": cuda_matmul_fp32_precision is not _public_fp32_precision,
-            "sharding_key": _probe("sharding_key", _sharding_schema_infos) is not None}
+            "sharding_key": _probe("sharding_key", _sharding_schema_infos) is not None,
+            "device_dispatch": _DEVICE_DISPATCH is not None}
 
 
 # --- autograd_kernel --------------------------------------------------------
@@ -363,3 +368,40 @@ def register_sharding_keyed(op, rule: Callable, static_argnum: int) -> bool:
         return False  # registered by another route: the rule stays off
     infos[op] = dataclasses.replace(info, static_argnum=static_argnum)
     return True
+
+
+# --- device_dispatch ----------------------------------------------------------
+
+class DeviceDispatch(NamedTuple):
+    privateuse1_name: Callable[[], str]
+    key_set: Callable[[str], Any]  # a device type's DispatchKeySet
+
+
+def _device_dispatch() -> DeviceDispatch:
+    C = torch._C
+    return DeviceDispatch(
+        privateuse1_name=C._get_privateuse1_backend_name,
+        key_set=lambda device_type: C.DispatchKeySet(
+            getattr(C.DispatchKey, C._dispatch_key_for_device(device_type))))
+
+
+_DEVICE_DISPATCH = _probe("device_dispatch", _device_dispatch)
+
+
+def privateuse1_name(renamed_to: str) -> str:
+    """PrivateUse1's device name: `renamed_to` where a backend renamed it so
+    (torch_tpu: "tpu" where it found a chip), else "privateuseone"."""
+    if _DEVICE_DISPATCH is not None:
+        return _DEVICE_DISPATCH.privateuse1_name()
+    try:
+        torch.device(renamed_to)
+    except RuntimeError:
+        return "privateuseone"
+    return renamed_to
+
+
+def device_key_set(device_type: str):
+    """The DispatchKeySet of a device type's backend, for a factory op's
+    BackendSelect kernel to redispatch to; None on the public path (no such
+    kernel: the factory stays on its CPU kernel, which refuses the device)."""
+    return None if _DEVICE_DISPATCH is None else _DEVICE_DISPATCH.key_set(device_type)

@@ -5,7 +5,9 @@ in chunks, each chunk's logits from the matmul kernel, reduced by the loss
 kernel to each row's loss and log-sum-exp; the gradient recomputes a
 chunk's logits from the saved log-sum-exp and turns them into d_input,
 d_weight and d_bias through the backward kernel and two products
-(`jax.custom_vjp`).
+(`jax.custom_vjp`); for "mean" and "sum", as the torch op does, the
+forward computes the gradients itself from each chunk's logits (no
+recomputation) and the gradient scales them.
 """
 
 from __future__ import annotations
@@ -57,45 +59,109 @@ def _over_chunks(chunk, carry, rows: int, step: int, *arrays):
     return carry, outputs
 
 
+def _walk(x, weight, bias, t32, smoothing: float, softcap: float, *, lse=None, scale=None):
+    """One walk over the rows' chunks, each chunk's logits computed once:
+    without `lse` (the forward) each row's loss and log-sum-exp; with
+    `scale` (each row's factor on its logits' gradient) the gradients, the
+    backward kernel's and two products' (d_weight and d_bias summed in
+    float32 across chunks). Returns (loss, lse, d_x, d_weight, d_bias),
+    None for what was not computed."""
+    rows, hidden = x.shape
+    step = lce_op.chunk_rows(rows, hidden, weight.shape[0])
+    params = {"smoothing": smoothing, "softcap": softcap}
+    arrays = [x, t32] + ([] if lse is None else [lse]) + ([] if scale is None else [scale])
+
+    def chunk(sums, xc, tc, *rest):
+        rest = list(rest)
+        lc = rest.pop(0) if lse is not None else None
+        sc = rest.pop(0) if scale is not None else None
+        z = _logits(xc, weight, bias)
+        outputs = ()
+        if lc is None:
+            loss_c, lc = calls.run("linear_cross_entropy", z, tc, **params)
+            outputs = (loss_c, lc)
+        if sc is None:
+            return sums, outputs
+        dz = calls.run("linear_cross_entropy_backward", z, tc, lc, sc, **params)
+        d_weight, d_bias = sums
+        d_weight = d_weight + _product(dz, xc, transpose_a=True).astype(jnp.float32)
+        d_bias = d_bias + dz.astype(jnp.float32).sum(0)
+        return (d_weight, d_bias), outputs + (_product(dz, weight),)
+
+    sums = None if scale is None else (jnp.zeros(weight.shape, jnp.float32),
+                                       jnp.zeros(weight.shape[:1], jnp.float32))
+    sums, outputs = _over_chunks(chunk, sums, rows, step, *arrays)
+    if lse is None:
+        loss, lse, *outputs = outputs
+    else:
+        loss = None
+    d_x = outputs[0] if outputs else None
+    d_weight, d_bias = (None, None) if sums is None else sums
+    return loss, lse, d_x, d_weight, d_bias
+
+
+def _gradients_in(dtypes, d_x, d_weight, d_bias):
+    """The gradients in their arguments' dtypes (x, weight, bias: None
+    without a bias)."""
+    x_dtype, weight_dtype, bias_dtype = dtypes
+    return (d_x.astype(x_dtype), d_weight.astype(weight_dtype),
+            None if bias_dtype is None else d_bias.astype(bias_dtype))
+
+
+# "none": each row's loss; its gradient (one factor per row) recomputes each
+# chunk's logits from the saved log-sum-exp.
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _loss_rows(x, weight, bias, t32, smoothing: float, softcap: float):
-    return _loss_rows_forward(x, weight, bias, t32, smoothing, softcap)[0]
+    return _walk(x, weight, bias, t32, smoothing, softcap)[0]
 
 
 def _loss_rows_forward(x, weight, bias, t32, smoothing, softcap):
-    rows, hidden = x.shape
-    step = lce_op.chunk_rows(rows, hidden, weight.shape[0])
-
-    def chunk(carry, xc, tc):
-        loss, lse = calls.run("linear_cross_entropy", _logits(xc, weight, bias), tc,
-                              smoothing=smoothing, softcap=softcap)
-        return carry, (loss, lse)
-
-    _, (loss, lse) = _over_chunks(chunk, None, rows, step, x, t32)
+    loss, lse, *_ = _walk(x, weight, bias, t32, smoothing, softcap)
     return loss, (x, weight, bias, t32, lse)
 
 
 def _loss_rows_backward(smoothing, softcap, saved, g):
     x, weight, bias, t32, lse = saved
-    rows, hidden = x.shape
-    step = lce_op.chunk_rows(rows, hidden, weight.shape[0])
     scale = jnp.where(t32 >= 0, g.astype(jnp.float32), 0.0)
-
-    def chunk(sums, xc, tc, lc, sc):
-        d_weight, d_bias = sums
-        dz = calls.run("linear_cross_entropy_backward", _logits(xc, weight, bias), tc, lc, sc,
-                       smoothing=smoothing, softcap=softcap)
-        d_weight = d_weight + _product(dz, xc, transpose_a=True).astype(jnp.float32)
-        d_bias = d_bias + dz.astype(jnp.float32).sum(0)
-        return (d_weight, d_bias), (_product(dz, weight),)
-
-    zeros = (jnp.zeros(weight.shape, jnp.float32), jnp.zeros(weight.shape[:1], jnp.float32))
-    (d_weight, d_bias), (d_x,) = _over_chunks(chunk, zeros, rows, step, x, t32, lse, scale)
-    return (d_x.astype(x.dtype), d_weight.astype(weight.dtype),
-            None if bias is None else d_bias.astype(bias.dtype), None)
+    _, _, *grads = _walk(x, weight, bias, t32, smoothing, softcap, lse=lse, scale=scale)
+    dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+    return (*_gradients_in(dtypes, *grads), None)
 
 
 _loss_rows.defvjp(_loss_rows_forward, _loss_rows_backward)
+
+
+# "mean" and "sum": one number, whose gradient is the loss's own gradient
+# times a scalar; computed in the forward, as the torch op does (its
+# `linear_cross_entropy_forward`), from each chunk's logits while they are
+# there, so nothing is recomputed (3 products a chunk, not 4).
+
+def _total(loss, t32, mean: bool):
+    total = loss.sum()
+    return total / (t32 >= 0).sum() if mean else total
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _loss_total(x, weight, bias, t32, mean: bool, smoothing: float, softcap: float):
+    return _total(_walk(x, weight, bias, t32, smoothing, softcap)[0], t32, mean)
+
+
+def _loss_total_forward(x, weight, bias, t32, mean, smoothing, softcap):
+    valid = t32 >= 0
+    factor = 1.0 / valid.sum().astype(jnp.float32) if mean else jnp.float32(1.0)
+    scale = jnp.where(valid, factor, 0.0)  # every row ignored: 0, as torch's gradient
+    loss, _, *grads = _walk(x, weight, bias, t32, smoothing, softcap, scale=scale)
+    dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+    return _total(loss, t32, mean), _gradients_in(dtypes, *grads)
+
+
+def _loss_total_backward(mean, smoothing, softcap, grads, g):
+    scaled = tuple(None if d is None else (d * g).astype(d.dtype) for d in grads)
+    return (*scaled, None)
+
+
+_loss_total.defvjp(_loss_total_forward, _loss_total_backward)
 
 
 def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index: int = -100,
@@ -138,9 +204,9 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index: int 
             raise IndexError(f"{op}: target holds {int(bad[0])}, not a class in [0, {vocab}) "
                              f"nor ignore_index={ignore_index}")
     t32 = jnp.where(ignored, -1, target).astype(jnp.int32).reshape(-1)
-    loss = _loss_rows(input.reshape(-1, input.shape[-1]), weight, bias, t32,
-                      float(label_smoothing), float(softcap or 0.0))
+    rows = input.reshape(-1, input.shape[-1])
     if reduction == "none":
-        return loss.reshape(target.shape)
-    total = loss.sum()
-    return total / (t32 >= 0).sum() if reduction == "mean" else total
+        return _loss_rows(rows, weight, bias, t32, float(label_smoothing),
+                          float(softcap or 0.0)).reshape(target.shape)
+    return _loss_total(rows, weight, bias, t32, reduction == "mean", float(label_smoothing),
+                       float(softcap or 0.0))

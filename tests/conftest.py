@@ -20,13 +20,6 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER") and "JAX_PLATFORMS" not in os.environ:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
-# torch's OpenMP workers spin between parallel regions unless told to sleep:
-# with pytest-xdist's two workers on two cores, each one's spinning takes
-# the other's core. The workers start after this and inherit it (this
-# process loaded OpenMP already; tests that check the variable set it
-# themselves).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 # Inductor's on-disk caches outlive a run and key compiled graphs by the
 # graph, not by a custom op's fake function: a graph compiled by an older
 # checkout would be reused with the old fake's sizes and strides. Each run

@@ -394,15 +394,21 @@ def test_register_says_why_where_torch_tpu_is_absent(monkeypatch):
     tt.register_if_loaded()  # nothing: torch_tpu is not loaded
 
 
+def _last_line_printed(code: str, **env) -> str:
+    """The last line `python -c code` prints in a fresh process (with
+    `env` added to this one's environment), which must succeed."""
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
 def test_import_torch_pallas_leaves_torch_tpu_and_jax_alone_where_not_loaded():
     code = ("import sys, torch, torch_pallas; "
             "print(sorted(m for m in ('torch_tpu', 'jax') if m in sys.modules), "
             "torch_pallas.torch_tpu._state['library'] is not None)")
-    env = {**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "[] False"
+    assert _last_line_printed(code, TORCH_DEVICE_BACKEND_AUTOLOAD="0") == "[] False"
 
 
 def test_import_torch_pallas_registers_the_kernels_but_imports_no_jax_where_loaded():
@@ -410,10 +416,7 @@ def test_import_torch_pallas_registers_the_kernels_but_imports_no_jax_where_load
             "print('torch_tpu' in sys.modules, 'jax' in sys.modules, "
             "C._dispatch_has_kernel_for_dispatch_key('pallas::matmul', 'PrivateUse1'), "
             "hasattr(torch.ops.pallas_tpu, 'matmul'))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "True False True False"
+    assert _last_line_printed(code) == "True False True False"
 
 
 # --- the jax_ops' fakes, on meta tensors -------------------------------------------------
@@ -597,7 +600,7 @@ def test_a_transformers_model_on_fake_tpu_tensors_reaches_the_ops():
     """A tiny Mixtral with attn_implementation and experts_implementation
     "pallas", after apply(), moved to fake tpu tensors: its forward's graph
     holds the ops (no CPU-only path, no value read back)."""
-    transformers = pytest.importorskip("transformers")
+    import transformers  # the test extra's
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 

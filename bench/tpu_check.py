@@ -20,6 +20,8 @@ against its goal) under --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -39,6 +41,7 @@ import torch  # noqa: E402
 
 import torch_pallas  # noqa: E402
 import torch_pallas.jax as tpj  # noqa: E402
+from torch_pallas.jax import calls  # noqa: E402
 from torch_pallas.kernels.shapes import fitted_block  # noqa: E402
 from torch_pallas.runtime import bridge, registry  # noqa: E402
 
@@ -87,7 +90,9 @@ def record(call) -> list[dict]:
 def _compiled(function, args):
     sharding = jax.sharding.SingleDeviceSharding(DEVICE)
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-    with jax.default_device(DEVICE):
+    # without a chip, the JAX-side forms build the `tpu` kernels for it too
+    building = calls.building_for_tpu(DEVICE) if COMPILE_ONLY else contextlib.nullcontext()
+    with jax.default_device(DEVICE), building:
         return jax.jit(function).lower(*shapes).compile()
 
 
@@ -426,11 +431,8 @@ def sweep(name: str, calls, variants: dict):
         print(json.dumps(line), flush=True)
 
 
-def sweep_cases():
-    """The block sizes around the chosen ones, for attention, grouped_mm
-    and the row-wise kernels."""
-    import dataclasses
-
+def attention_sweep():
+    """Attention's blocks around the chosen 1024 x 1024, each kernel alone."""
     for batch, length in ((2, 4096), (1, 8192)):
         q, k, v = (rand(batch, 16, length, 128, grad=True) for _ in range(3))
 
@@ -442,6 +444,10 @@ def sweep_cases():
             f"{bq}x{bk}": (lambda c, bq=bq, bk=bk: dataclasses.replace(c, block_q=bq, block_k=bk))
             for bq, bk in ((512, 512), (512, 1024), (1024, 512), (1024, 1024), (2048, 512),
                            (2048, 1024), (256, 2048), (512, 2048))})
+
+
+def grouped_mm_sweep():
+    """grouped_mm's tiles around the chosen ones (Mixtral-like, 8 groups)."""
     rng = np.random.default_rng(0)
     offs = torch.tensor(np.cumsum(rng.multinomial(16384, rng.dirichlet(np.ones(8)))),
                         dtype=torch.int32)
@@ -461,6 +467,10 @@ def sweep_cases():
         "N / 2": tiles(n=0.5), "N x 2": tiles(n=2), "K / 2": tiles(k=0.5), "K x 2": tiles(k=2),
         "N x 2, K / 2": tiles(n=2, k=0.5), "512 x 1024 x 1024 (padded)": (
             lambda c: dataclasses.replace(c, block_m=512, block_n=1024, block_k=1024))})
+
+
+def matmul_sweep():
+    """Matmul's blocks (rows x N x K) at 4096^3 and 8192^3, bfloat16."""
     for size in (4096, 8192):
         a, b = rand(size, size), rand(size, size)
         sweep(f"matmul bf16 {size}^3", record(lambda: torch_pallas.matmul(a, b)), {
@@ -468,7 +478,13 @@ def sweep_cases():
                 c, block_m=t[0], block_n=t[1], block_k=t[2]))
             for bm, bn, bk in ((512, 1024, 1024), (1024, 1024, 512), (512, 2048, 512),
                                (1024, 512, 1024), (256, 1024, 1024), (512, 1024, 2048),
-                               (1024, 1024, 1024), (2048, 1024, 256))})
+                               (1024, 1024, 1024), (2048, 1024, 256), (1024, 1024, 2048),
+                               (1024, 1024, 4096), (512, 1024, 4096), (2048, 1024, 1024),
+                               (1024, 2048, 1024), (2048, 2048, 512))})
+
+
+def rms_norm_sweep():
+    """rms_norm's row blocks at 8192 x 8192."""
     n = 8192
     xs, ws = rand(n, n, grad=True), rand(n, grad=True)
 
@@ -524,7 +540,10 @@ CASES = {
                                      for tokens in (2048, 4096, 8192)],
     "through_torch": through_torch_case,
     "bounds": bounds_case,
-    "sweep": sweep_cases,
+    "sweep_attention": attention_sweep,
+    "sweep_grouped_mm": grouped_mm_sweep,
+    "sweep_matmul": matmul_sweep,
+    "sweep_rms_norm": rms_norm_sweep,
 }
 
 

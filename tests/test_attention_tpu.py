@@ -306,6 +306,20 @@ def test_tpu_interpret_race_free(kw):
     check("tpu_interpret", make_case(**kw), config=TPU_SMALL, detect_races=True)
 
 
+# 32-row query blocks, 16-key blocks: below the diagonal whole blocks that
+# every query sees (computed without the causal mask), on it blocks that
+# cross it, above it skipped; L != S and ragged, so the last blocks are part
+# padding.
+TPU_CAUSAL = AttentionConfig(Body.PIPELINED, block_q=32, block_k=16,
+                             head_multiple=attention_blocks.LANES)
+
+
+@pytest.mark.parametrize("l,s", [(70, 70), (50, 90)])
+def test_tpu_interpret_causal_full_and_diagonal_blocks(l, s):
+    case = make_case(b=1, hq=2, hkv=1, l=l, s=s, e=8, causal=True, dtype=torch.bfloat16)
+    check("tpu_interpret", case, config=TPU_CAUSAL, detect_races=True)
+
+
 # 16 x 16 blocks: the span tables in SMEM pick the few blocks each query
 # block (forward, dq) or key block (dk, dv) reaches.
 TPU_SPANS = AttentionConfig(Body.PIPELINED, block_q=16, block_k=16,

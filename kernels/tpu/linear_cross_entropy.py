@@ -12,8 +12,8 @@ rescaled sum of exponentials, the target's logit and (with label smoothing)
 the sum of logits accumulate in VMEM scratch (FlashAttention's online
 softmax, Milakov & Gimelshein 2018); the row blocks are PARALLEL and split
 across the TensorCores. A target of -1 marks an ignored row (loss 0).
-Columns past the vocabulary (the zero padding of a ragged one) are masked
-out. On `interpret` (JAX's generic interpreter, which copies whole buffers
+Columns past the vocabulary (the padding to a lane multiple, or the stale
+end of a partial last block) are masked out. On `interpret` (JAX's generic interpreter, which copies whole buffers
 per grid step) the whole chunk is one block.
 """
 
@@ -29,7 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.cross_entropy import capped, row_loss
 from torch_pallas.kernels.padding import pad_to
-from torch_pallas.kernels.shapes import round_up
+from torch_pallas.kernels.shapes import cdiv, round_up
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
@@ -51,15 +51,22 @@ class LogitBlocksConfig:
             return cls(None, None)
         if backend == "tpu_interpret":
             return cls(SUBLANES, 2 * LANES)  # small: ragged vocabularies span several blocks
-        return cls(SUBLANES, 16 * LANES)
+        # 128 x 2048: 0.5 MiB of bf16 logits a step (8-row blocks took 4032
+        # steps for a 512 x 128256 chunk, their overhead beyond its copy)
+        return cls(16 * SUBLANES, 16 * LANES)
 
     def padded(self, rows: int, cols: int) -> tuple[int, int, tuple[int, int]]:
-        """(padded rows, padded cols, block) for a (rows, cols) chunk."""
+        """(padded rows, padded cols, block) for a (rows, cols) chunk: the
+        rows padded to whole blocks, the columns only to a multiple of 128.
+        The last column block may then be partial: `emit_pipeline` copies
+        its lane-aligned part and the kernels mask the columns past the
+        vocabulary, so a vocabulary of whole lanes (32000, 128256) is never
+        copied into a padded chunk."""
         if self.block_rows is None:
             return rows, cols, (rows, cols)
+        block_rows = min(self.block_rows, round_up(rows, 2 * SUBLANES))
         block_cols = min(self.block_cols, round_up(cols, LANES))
-        padded_cols = round_up(cols, block_cols)
-        return round_up(rows, self.block_rows), padded_cols, (self.block_rows, block_cols)
+        return round_up(rows, block_rows), round_up(cols, LANES), (block_rows, block_cols)
 
 
 def column_index(shape, j: int, block_cols: int):
@@ -72,8 +79,8 @@ def loss_kernel(z_hbm, t_hbm, loss_hbm, lse_hbm, *, m_vmem, s_vmem, zt_vmem, zsu
     """z_hbm (Rp, Cp), t_hbm (Rp, 1) int32; outputs loss and lse (Rp, 1)
     float32; scratch (block rows, LANES) float32 each."""
     rows, cols = z_hbm.shape
-    grid = (rows // block[0], cols // block[1])
-    ragged = cols != vocab
+    grid = (rows // block[0], cdiv(cols, block[1]))
+    ragged = vocab % block[1] != 0  # padding, or the stale end of a partial block
 
     def body(z_ref, t_ref, loss_ref, lse_ref):
         j = pl.program_id(1)

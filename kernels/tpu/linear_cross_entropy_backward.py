@@ -22,6 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.cross_entropy import capped, logit_gradient
 from torch_pallas.kernels.padding import pad_to
+from torch_pallas.kernels.shapes import cdiv
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
@@ -44,7 +45,7 @@ def logit_gradient_kernel(z_hbm, t_hbm, lse_hbm, scale_hbm, dz_hbm, *, vocab: in
     logits = pl.BlockSpec(block, lambda i, j: (i, j))
     per_row = pl.BlockSpec((block[0], 1), lambda i, j: (i, 0))
     pltpu.emit_pipeline(
-        body, grid=(rows // block[0], cols // block[1]),
+        body, grid=(rows // block[0], cdiv(cols, block[1])),
         in_specs=[logits, per_row, per_row, per_row], out_specs=logits,
         **pipeline_core_split(num_cores, parallel_dims=1),
     )(z_hbm, t_hbm, lse_hbm, scale_hbm, dz_hbm)

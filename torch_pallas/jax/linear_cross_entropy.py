@@ -1,15 +1,18 @@
 """The JAX-side form of linear_cross_entropy: a language model's head and
 its cross-entropy loss on JAX arrays without the (tokens x vocabulary)
-logits, as the torch op computes it (ops/linear_cross_entropy.py): the rows
-in chunks, each chunk's logits from the matmul kernel, reduced by the loss
-kernel to each row's loss and log-sum-exp; the gradient recomputes a
-chunk's logits from the saved log-sum-exp and turns them into d_input,
-d_weight and d_bias through the backward kernel and two products
-(`jax.custom_vjp`); for "mean" and "sum", as the torch op does, the
-forward computes the gradients itself from each chunk's logits (no
-recomputation) and the gradient scales them.
+logits. The rows go in chunks, each chunk's logits from the matmul kernel,
+reduced by the loss kernel to each row's loss and log-sum-exp; for the
+gradients the backward kernel turns a chunk's logits into their gradient
+and a product into the chunk's d_input. d_weight and d_bias come from the
+same chunk where the rows are one; else from a pass over the vocabulary in
+blocks (each block's logits for every row, recomputed from the rows'
+log-sum-exp, and one product), so that no (V, H) float32 sum is carried
+across chunks: at 8192 tokens of a 128256 x 4096 head that sum was 2.1 GB,
+read and written 16 times. `jax.custom_vjp`: for "mean" and "sum", as the
+torch op does, the forward computes the gradients itself and the gradient
+scales them; "none" computes them in its backward from the saved
+log-sum-exp.
 """
-
 from __future__ import annotations
 
 import functools
@@ -19,6 +22,7 @@ import numpy as np
 from torch_pallas.base import jax_env
 from torch_pallas.jax import calls
 from torch_pallas.jax.ops import FLOATS
+from torch_pallas.kernels.cross_entropy import capped, logit_gradient
 from torch_pallas.ops import linear_cross_entropy as lce_op
 
 jax = jax_env.jax()
@@ -44,60 +48,101 @@ def _product(a, b, transpose_a=False):
     return calls.run("matmul", a[None], b[None], transpose_a=transpose_a, transpose_b=False)[0]
 
 
-def _over_chunks(chunk, carry, rows: int, step: int, *arrays):
-    """`chunk(carry, *rows of arrays) -> (carry, outputs)` over the arrays'
-    rows in chunks of `step`: the whole chunks in a `lax.scan` (one chunk's
-    logits alive at a time: an unrolled loop let XLA schedule every chunk's
-    at once, 17.8 GB for 8192 tokens of a 128256-word vocabulary), then the
-    rest; the outputs' rows joined in order."""
-    whole, rest = zip(*(_split(a, step) for a in arrays))
-    carry, outputs = jax.lax.scan(lambda c, xs: chunk(c, *xs), carry, whole)
-    outputs = [o.reshape(-1, *o.shape[2:]) for o in outputs]
+def _over_chunks(chunk, rows: int, step: int, arrays: dict) -> dict:
+    """`chunk(rows of arrays) -> outputs` (dicts of arrays) over the
+    arrays' rows in chunks of `step`: the whole chunks in a `lax.scan` (one
+    chunk's logits alive at a time: an unrolled loop let XLA schedule every
+    chunk's at once, 17.8 GB for 8192 tokens of a 128256-word vocabulary),
+    then the rest; the outputs' rows joined in order."""
+    whole, rest = {}, {}
+    for name, a in arrays.items():
+        whole[name], rest[name] = _split(a, step)
+    _, outputs = jax.lax.scan(lambda carry, xs: (carry, chunk(xs)), None, whole)
+    outputs = {k: o.reshape(-1, *o.shape[2:]) for k, o in outputs.items()}
     if rows % step:
-        carry, last = chunk(carry, *rest)
-        outputs = [jnp.concatenate([o, r]) for o, r in zip(outputs, last)]
-    return carry, outputs
+        last = chunk(rest)
+        outputs = {k: jnp.concatenate([o, last[k]]) for k, o in outputs.items()}
+    return outputs
+
+
+def vocab_block(hidden: int, vocab: int) -> int:
+    """Vocabulary entries per block of the weight-gradient pass: logits
+    (rows x block) of about the input's size (rows x hidden), as the row
+    chunks' are, a power of two of at least 128 (a lane tile)."""
+    return min(vocab, max(128, 1 << (hidden - 1).bit_length()))
+
+
+def _weight_gradients(x, weight, bias, t32, lse, scale, smoothing: float, softcap: float):
+    """(d_weight in x's dtype, d_bias float32) from one pass over the
+    vocabulary in blocks: each block's logits for every row, their gradient
+    (kernels/cross_entropy.py's formula, from the rows' log-sum-exp) and one
+    product over all rows, written into its rows of d_weight. Nothing is
+    summed across row chunks, so no float32 (V, H) running sum (2.1 GB at a
+    128256 x 4096 head, read and written once per chunk); the price is the
+    logits computed once more (4 products for the loss and its gradients,
+    not 3)."""
+    vocab, hidden = weight.shape
+    block = vocab_block(hidden, vocab)
+    t, lse, scale = t32[:, None], lse[:, None], scale[:, None]
+
+    def gradients(start, size: int):
+        w = jax.lax.dynamic_slice_in_dim(weight, start, size)
+        b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
+        z = _logits(x, w, b)
+        col = start + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
+        dz = logit_gradient(capped(z.astype(jnp.float32), softcap), lse, col == t, scale,
+                            vocab=vocab, smoothing=smoothing, softcap=softcap).astype(z.dtype)
+        return _product(dz, x, transpose_a=True), dz.astype(jnp.float32).sum(0)
+
+    def into(sums, start, size: int):
+        d_weight, d_bias = sums
+        gw, gb = gradients(start, size)
+        return (jax.lax.dynamic_update_slice_in_dim(d_weight, gw, start, 0),
+                jax.lax.dynamic_update_slice_in_dim(d_bias, gb, start, 0))
+
+    sums = (jnp.zeros(weight.shape, x.dtype), jnp.zeros((vocab,), jnp.float32))
+    sums = jax.lax.fori_loop(0, vocab // block, lambda i, s: into(s, i * block, block), sums)
+    if vocab % block:
+        sums = into(sums, vocab - vocab % block, vocab % block)
+    return sums
 
 
 def _walk(x, weight, bias, t32, smoothing: float, softcap: float, *, lse=None, scale=None):
-    """One walk over the rows' chunks, each chunk's logits computed once:
-    without `lse` (the forward) each row's loss and log-sum-exp; with
-    `scale` (each row's factor on its logits' gradient) the gradients, the
-    backward kernel's and two products' (d_weight and d_bias summed in
-    float32 across chunks). Returns (loss, lse, d_x, d_weight, d_bias),
-    None for what was not computed."""
+    """The rows in chunks, each chunk's logits computed once: without `lse`
+    (the forward) each row's loss and log-sum-exp; with `scale` (each row's
+    factor on its logits' gradient) the gradients: d_x from the backward
+    kernel and a product, and where the rows are one chunk d_weight and
+    d_bias from it too, else from _weight_gradients' pass over the
+    vocabulary. Returns (loss, lse, d_x, d_weight, d_bias), None for what
+    was not computed."""
     rows, hidden = x.shape
     step = lce_op.chunk_rows(rows, hidden, weight.shape[0])
     params = {"smoothing": smoothing, "softcap": softcap}
-    arrays = [x, t32] + ([] if lse is None else [lse]) + ([] if scale is None else [scale])
+    one_chunk = rows <= step
 
-    def chunk(sums, xc, tc, *rest):
-        rest = list(rest)
-        lc = rest.pop(0) if lse is not None else None
-        sc = rest.pop(0) if scale is not None else None
-        z = _logits(xc, weight, bias)
-        outputs = ()
+    def chunk(a):
+        z = _logits(a["x"], weight, bias)
+        out = {}
+        lc = a.get("lse")
         if lc is None:
-            loss_c, lc = calls.run("linear_cross_entropy", z, tc, **params)
-            outputs = (loss_c, lc)
-        if sc is None:
-            return sums, outputs
-        dz = calls.run("linear_cross_entropy_backward", z, tc, lc, sc, **params)
-        d_weight, d_bias = sums
-        d_weight = d_weight + _product(dz, xc, transpose_a=True).astype(jnp.float32)
-        d_bias = d_bias + dz.astype(jnp.float32).sum(0)
-        return (d_weight, d_bias), outputs + (_product(dz, weight),)
+            out["loss"], lc = calls.run("linear_cross_entropy", z, a["t"], **params)
+            out["lse"] = lc
+        if "scale" in a:
+            dz = calls.run("linear_cross_entropy_backward", z, a["t"], lc, a["scale"], **params)
+            out["d_x"] = _product(dz, weight)
+            if one_chunk:
+                out["d_weight"] = _product(dz, a["x"], transpose_a=True)
+                out["d_bias"] = dz.astype(jnp.float32).sum(0)
+        return out
 
-    sums = None if scale is None else (jnp.zeros(weight.shape, jnp.float32),
-                                       jnp.zeros(weight.shape[:1], jnp.float32))
-    sums, outputs = _over_chunks(chunk, sums, rows, step, *arrays)
-    if lse is None:
-        loss, lse, *outputs = outputs
-    else:
-        loss = None
-    d_x = outputs[0] if outputs else None
-    d_weight, d_bias = (None, None) if sums is None else sums
-    return loss, lse, d_x, d_weight, d_bias
+    arrays = {"x": x, "t": t32}
+    arrays.update({k: v for k, v in (("lse", lse), ("scale", scale)) if v is not None})
+    out = chunk(arrays) if one_chunk else _over_chunks(chunk, rows, step, arrays)
+    lse = out.get("lse", lse)
+    if scale is not None and not one_chunk:
+        out["d_weight"], out["d_bias"] = _weight_gradients(x, weight, bias, t32, lse, scale,
+                                                           smoothing, softcap)
+    return (out.get("loss"), lse, out.get("d_x"), out.get("d_weight"), out.get("d_bias"))
 
 
 def _gradients_in(dtypes, d_x, d_weight, d_bias):

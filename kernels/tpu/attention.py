@@ -15,8 +15,7 @@ running row maximum m, denominator l and float32 accumulator acc (VMEM
 scratch) are rescaled by exp(m_old - m_new) and updated; the last key block
 writes o = acc / l and lse = m + log l. Causal blocks wholly above the
 diagonal are skipped: their body does nothing, and their key/value/mask index
-maps repeat the last visible block, so the pipeline fetches nothing new; only
-the blocks that cross the diagonal compute the causal mask. The
+maps repeat the last visible block, so the pipeline fetches nothing new. The
 mask is read block by block from (Bm, Hm, L, S), a broadcast batch or head
 axis mapped to block 0 by the index map (never copied); key/value head
 h // G serves query head h the same way (GQA, never repeated in memory).
@@ -100,12 +99,12 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
             l_vmem[...] = jnp.zeros_like(l_vmem)
             acc_vmem[...] = jnp.zeros_like(acc_vmem)
 
-        def update(causal_mask=causal):
+        def update():
             s, _ = blocks_.capped(dot(q_ref[...], k_ref[...], (1, 1)) * scale, softcap)
             if mask_ref is not None:
                 s = s + mask_ref[...].astype(jnp.float32)
             row_spans = None if spans_ref is None else (spans_ref[:, 0:1], spans_ref[:, 1:2])
-            seen = visible(i * bq, kv_step(i, j) * bk, s.shape, causal=causal_mask, kv_len=kv_len,
+            seen = visible(i * bq, kv_step(i, j) * bk, s.shape, causal=causal, kv_len=kv_len,
                            padded_kv_len=sp, spans=row_spans)
             if seen is not None:
                 s = jnp.where(seen, s, -jnp.inf)
@@ -125,7 +124,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
         if spans:
             pl.when(table[0, i] + j < table[1, i])(update)
         elif causal:
-            blocks_.when_causal(update, q_start=i * bq, k_start=j * bk, rows=bq, keys=bk)
+            pl.when(j * bk <= i * bq + bq - 1)(update)
         else:
             update()
 

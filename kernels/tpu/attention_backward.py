@@ -21,8 +21,7 @@ that the TensorCores never write the same block:
   streaming, as in the forward.
 
 Causal blocks that no query of the block can see are skipped in both (no
-compute; their index maps repeat a visible block, so nothing is fetched),
-and only the blocks that cross the diagonal compute the causal mask.
+compute; their index maps repeat a visible block, so nothing is fetched).
 The mask is read block by block, broadcast axes mapped to block 0; ragged L
 and S are padded once outside (padded keys masked inside, padded query rows
 given lse = +inf, hence p = 0).
@@ -124,11 +123,10 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
             dk_vmem[...] = jnp.zeros_like(dk_vmem)
             dv_vmem[...] = jnp.zeros_like(dv_vmem)
 
-        def update(causal_mask=causal):
+        def update():
             q, do = q_ref[...], do_ref[...]
             s, cap = _masked_scores(q, k_ref[...], None if mask_ref is None else mask_ref[...],
-                                    scale=scale, q_start=i * bq, k_start=j * bk,
-                                    causal=causal_mask,
+                                    scale=scale, q_start=i * bq, k_start=j * bk, causal=causal,
                                     kv_len=kv_len, padded_kv_len=sp, contract=(1, 1),
                                     softcap=softcap, spans=_row_spans(spans_ref))
             p = jnp.exp(s - lse_ref[...])  # (bq, bk); 0 where lse is +inf
@@ -143,7 +141,7 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
         if spans:
             pl.when(table[0, j] + t % nq < table[1, j])(update)
         elif causal:
-            blocks_.when_causal(update, q_start=i * bq, k_start=j * bk, rows=bq, keys=bk)
+            pl.when(i * bq + bq - 1 >= j * bk)(update)
         else:
             update()
 
@@ -210,11 +208,10 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
         def _():
             dq_vmem[...] = jnp.zeros_like(dq_vmem)
 
-        def update(causal_mask=causal):
+        def update():
             k = k_ref[...]
             s, cap = _masked_scores(q_ref[...], k, None if mask_ref is None else mask_ref[...],
-                                    scale=scale, q_start=i * bq, k_start=kj * bk,
-                                    causal=causal_mask,
+                                    scale=scale, q_start=i * bq, k_start=kj * bk, causal=causal,
                                     kv_len=kv_len, padded_kv_len=sp, contract=(1, 1),
                                     softcap=softcap, spans=_row_spans(spans_ref))
             p = jnp.exp(s - lse_ref[...])
@@ -229,7 +226,7 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
         if spans:
             pl.when(table[0, i] + j < table[1, i])(update)
         elif causal:
-            blocks_.when_causal(update, q_start=i * bq, k_start=j * bk, rows=bq, keys=bk)
+            pl.when(j * bk <= i * bq + bq - 1)(update)
         else:
             update()
 

@@ -30,7 +30,6 @@ import enum
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from torch_pallas.kernels.attention_shapes import AttentionDims
 from torch_pallas.kernels.padding import pad_to
@@ -257,19 +256,6 @@ def visible(q_start, k_start, shape, *, causal: bool, kv_len: int, padded_kv_len
         seen = (key >= start) & (key < end)
         cond = seen if cond is None else cond & seen
     return cond
-
-
-def when_causal(update, *, q_start, k_start, rows: int, keys: int):
-    """Runs `update(causal_mask)` on a causal grid's block of `rows` queries
-    from `q_start` and `keys` keys from `k_start` where some query sees
-    some key: `update(True)` where the block crosses the diagonal, and
-    `update(False)` where every query sees every key, so that the causal
-    mask (an index comparison and a select on every score) is computed only
-    on the diagonal blocks, as splash attention does with its partial and
-    full blocks. Nothing where no query sees any key."""
-    crosses = k_start + keys - 1 > q_start
-    pl.when(crosses & (k_start <= q_start + rows - 1))(lambda: update(True))
-    pl.when(jnp.logical_not(crosses))(lambda: update(False))
 
 
 def capped(s, softcap: float):

@@ -275,15 +275,17 @@ def compiler_options(backend: str, avals, params) -> dict:
 # The chip's blocks (bm, bn, bk) by operand dtype, largest first: JAX's
 # Pallas TPU matmul guide reaches 91.5% of v5e's peak at 8192^3 in bfloat16
 # with 512 x 1024 x 1024 blocks and ~6% with 128-blocks. bfloat16 on v5e
-# with 64 MiB of scoped VMEM (ms at 4096^3 / 8192^3): 512 x 1024 x 1024
-# 0.882 / 6.09, 1024 x 1024 x 512 0.879 / 6.06, 512 x 1024 x 2048 0.857 /
-# 5.94, 1024^3 0.860 / 5.93, 256 x 1024 x 1024 1.08 / 7.51. float32 at
-# HIGHEST splits each block into bfloat16 parts in VMEM: 512 x 1024 x 512
-# blocks overflowed Mosaic's 16 MiB on v5e (CompileTimeScopedVmemOom), 512^3
-# fit.
+# with 64 MiB of scoped VMEM (bench/tpu_check.py sweep_matmul, 2026-12-06,
+# ms at 4096^3 / 8192^3): 1024 x 1024 x 4096 0.851 / 5.868 (a whole K of
+# 4096 in one step: 36 MiB), 512 x 1024 x 4096 0.848 / 5.885, 1024 x 1024 x
+# 2048 0.864 / 5.883, 1024^3 0.863 / 5.944, 512 x 1024 x 2048 0.866 / 5.935,
+# 512 x 1024 x 1024 0.892 / 6.094, 1024 x 1024 x 512 0.882 / 6.071, 256 x
+# 1024 x 1024 1.087 / 7.516; jnp.dot 0.854 / 6.04. float32 at HIGHEST splits
+# each block into bfloat16 parts in VMEM: 512 x 1024 x 512 blocks overflowed
+# Mosaic's 16 MiB on v5e (CompileTimeScopedVmemOom), 512^3 fit.
 CHIP_BLOCKS = {
-    "bfloat16": ((1024, 1024, 1024), (512, 1024, 1024), (512, 512, 512), (256, 256, 256),
-                 (128, 128, 128)),
+    "bfloat16": ((1024, 1024, 4096), (1024, 1024, 1024), (512, 1024, 1024), (512, 512, 512),
+                 (256, 256, 256), (128, 128, 128)),
     "float32": ((512, 512, 512), (256, 512, 512), (256, 256, 256), (128, 128, 128)),
 }
 

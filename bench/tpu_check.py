@@ -249,8 +249,8 @@ def attention_case(batch: int, heads: int, length: int, dim: int = 128):
     both = None if COMPILE_ONLY else fwd + sum(t[n] for n in b_fns)
     flops = 4.0 * batch * heads * length * length * dim / 2  # causal
     name = f"attention causal bf16 B{batch} H{heads} L{length} D{dim}"
-    splash_f = {n: t[n] for n in refs if n.startswith("splash") and "bwd" not in n}
-    splash_b = {n: t[n] for n in refs if n.startswith("splash") and "bwd" in n}
+    splash_f = {n: t[n] for n in refs if n.startswith("splash") and "fwd+bwd" not in n}
+    splash_b = {n: t[n] for n in refs if n.startswith("splash") and "fwd+bwd" in n}
     best_f = min(splash_f, key=lambda n: splash_f[n] or 0)
     best_b = min(splash_b, key=lambda n: splash_b[n] or 0)
     row(f"{name} forward ({forward[0]['config'].block_q}x{forward[0]['config'].block_k})", fwd,
@@ -451,10 +451,20 @@ def attention_sweep():
             out = torch_pallas.attention(q, k, v, is_causal=True)
             out.backward(torch.ones_like(out))
 
-        sweep(f"attention causal B{batch} H16 L{length}", record(step), {
+        variants = {
             f"{bq}x{bk}": (lambda c, bq=bq, bk=bk: dataclasses.replace(c, block_q=bq, block_k=bk))
             for bq, bk in ((512, 512), (512, 1024), (1024, 512), (1024, 1024), (2048, 512),
-                           (2048, 1024), (256, 2048), (512, 2048))})
+                           (2048, 1024), (256, 2048), (512, 2048))}
+        # the backward's dq in a kernel of its own; the forward's key blocks
+        # in sub-steps (each knob is one kernel's, the other kernel ignores it)
+        variants["1024x1024 dq apart"] = lambda c: dataclasses.replace(
+            c, block_q=1024, block_k=1024, fused_dq_bytes=0)
+        for bq, bk, bkc in ((1024, 1024, 512), (1024, 1024, 256), (2048, 1024, 512),
+                            (1024, 2048, 512), (2048, 512, 256)):
+            variants[f"{bq}x{bk} compute {bkc}"] = (
+                lambda c, bq=bq, bk=bk, bkc=bkc: dataclasses.replace(
+                    c, block_q=bq, block_k=bk, block_k_compute=bkc))
+        sweep(f"attention causal B{batch} H16 L{length}", record(step), variants)
 
 
 def grouped_mm_sweep():

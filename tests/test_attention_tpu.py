@@ -234,11 +234,11 @@ def unreachable_blocks_poisoned(case, block: int = 16):
     return dataclasses.replace(case, k=k, v=v)
 
 
-def packed_with_gaps():
+def packed_with_gaps(hq=2, hkv=1):
     """Two packed sequences of 16 queries and 64 keys, each window (3, 0):
     rows see at most 4 keys, near the end of their sequence's, so half the
     16-key blocks are out of every query block's reach."""
-    case = make_case(b=1, hq=2, hkv=1, l=32, s=128, sequences=[(16, 64), (16, 64)],
+    case = make_case(b=1, hq=hq, hkv=hkv, l=32, s=128, sequences=[(16, 64), (16, 64)],
                      window=(3, 0))
     return case
 
@@ -301,20 +301,48 @@ TPU_CASES = {
 }
 
 
+# The backward's dq fused into the dk/dv kernel (a float32 accumulator of
+# every query row of the key/value head, added to block by block), as a chip
+# with VMEM to spare runs it, or in a kernel of its own. Fused, only (B, Hkv)
+# splits over the TensorCores, and it runs fused only where the pairs divide
+# evenly among them: the fused cases take two (batch, kv head) pairs.
+FUSED_DQ = {"dq_fused": 2**20, "dq_apart": 0}
+
+
+def two_pairs(kw):
+    return {**kw, "b": 2} if "sequences" not in kw else {**kw, "hq": 4, "hkv": 2}
+
+
+@pytest.mark.parametrize("fused_dq_bytes", FUSED_DQ.values(), ids=FUSED_DQ.keys())
 @pytest.mark.parametrize("kw", TPU_CASES.values(), ids=TPU_CASES.keys())
-def test_tpu_interpret_race_free(kw):
-    check("tpu_interpret", make_case(**kw), config=TPU_SMALL, detect_races=True)
+def test_tpu_interpret_race_free(kw, fused_dq_bytes):
+    config = dataclasses.replace(TPU_SMALL, fused_dq_bytes=fused_dq_bytes)
+    case = make_case(**(two_pairs(kw) if fused_dq_bytes else kw))
+    check("tpu_interpret", case, config=config, detect_races=True)
+
+
+# 256-key blocks made 128 keys at a time (the forward's sub-steps, as on a
+# chip): the mask, dropout's factors and the causal and padded keys by each
+# sub-step's own key offset; 300 keys, so the last block is part padding.
+TPU_SUB_STEPS = AttentionConfig(Body.PIPELINED, block_q=16, block_k=256, block_k_compute=128,
+                                head_multiple=attention_blocks.LANES)
+
+
+def test_tpu_interpret_forward_key_sub_steps():
+    case = make_case(b=1, hq=2, hkv=1, l=24, s=300, e=8, causal=True, mask="heads",
+                     dtype=torch.bfloat16, mask_dtype=torch.float32, dropout_p=0.4)
+    check("tpu_interpret", case, config=TPU_SUB_STEPS, detect_races=True)
 
 
 # 32-row query blocks, 16-key blocks: below the diagonal whole blocks that
 # every query sees, on it blocks that cross it, above it blocks skipped; L !=
 # S and both ragged, so the last blocks are part padding.
 TPU_CAUSAL = AttentionConfig(Body.PIPELINED, block_q=32, block_k=16,
-                             head_multiple=attention_blocks.LANES)
+                             head_multiple=attention_blocks.LANES, fused_dq_bytes=2**20)
 
 
 def test_tpu_interpret_causal_full_and_diagonal_blocks():
-    case = make_case(b=1, hq=2, hkv=1, l=50, s=90, e=8, causal=True, dtype=torch.bfloat16)
+    case = make_case(b=2, hq=2, hkv=1, l=50, s=90, e=8, causal=True, dtype=torch.bfloat16)
     check("tpu_interpret", case, config=TPU_CAUSAL, detect_races=True)
 
 
@@ -324,16 +352,21 @@ TPU_SPANS = AttentionConfig(Body.PIPELINED, block_q=16, block_k=16,
                             head_multiple=attention_blocks.LANES)
 
 
-def test_tpu_interpret_spans_softcap_race_free():
-    case = make_case(b=1, hq=2, hkv=1, l=40, s=44, e=8, softcap=2.0, mask="heads",
-                     sequences=[(5, 7), (0, 3), (9, 9), (6, 4), (12, 9)], causal=True,
-                     dtype=torch.bfloat16, mask_dtype=torch.float32)
-    check("tpu_interpret", case, config=TPU_SPANS, detect_races=True)
+@pytest.mark.parametrize("fused_dq_bytes", FUSED_DQ.values(), ids=FUSED_DQ.keys())
+def test_tpu_interpret_spans_softcap_race_free(fused_dq_bytes):
+    kw = dict(b=1, hq=2, hkv=1, l=40, s=44, e=8, softcap=2.0, mask="heads",
+              sequences=[(5, 7), (0, 3), (9, 9), (6, 4), (12, 9)], causal=True,
+              dtype=torch.bfloat16, mask_dtype=torch.float32)
+    case = make_case(**(two_pairs(kw) if fused_dq_bytes else kw))
+    config = dataclasses.replace(TPU_SPANS, fused_dq_bytes=fused_dq_bytes)
+    check("tpu_interpret", case, config=config, detect_races=True)
 
 
-def test_tpu_interpret_skips_the_blocks_no_span_reaches():
-    case = packed_with_gaps()
-    check("tpu_interpret", case, config=TPU_SPANS, run_on=unreachable_blocks_poisoned(case))
+@pytest.mark.parametrize("fused_dq_bytes", FUSED_DQ.values(), ids=FUSED_DQ.keys())
+def test_tpu_interpret_skips_the_blocks_no_span_reaches(fused_dq_bytes):
+    case = packed_with_gaps(**({"hq": 4, "hkv": 2} if fused_dq_bytes else {}))
+    config = dataclasses.replace(TPU_SPANS, fused_dq_bytes=fused_dq_bytes)
+    check("tpu_interpret", case, config=config, run_on=unreachable_blocks_poisoned(case))
 
 
 # ---------------------------------------------------------------------------

@@ -60,20 +60,31 @@ from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
 # Pipelined body (TPU)
 
 
+def _lanes(column, width: int):
+    """A (rows, LANES) array whose lanes repeat one value per row, as (rows,
+    width): the lanes tiled where width is a whole number of them (no lane
+    broadcast), else its first column broadcast."""
+    if width % blocks_.LANES == 0:
+        return jnp.tile(column, (1, width // blocks_.LANES))
+    return column[:, :1]
+
+
 def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale, causal,
                      kv_len, group, block_k, num_cores, dropout_p=0.0, spans=False,
-                     table=None, softcap=0.0):
+                     table=None, softcap=0.0, block_k_compute=None):
     """q_hbm (B, Hq, Lp, Ep), k_hbm (B, Hkv, Sp, Ep), v_hbm (B, Hkv, Sp, Evp),
     an optional mask (Bm, Hm, Lp, Sp), with spans the rows' spans (Lp, 2)
     and each query block's key blocks (2, Lp / bq) [first, past] (copied to
     the SMEM scratch `table`), with dropout the rows' keys (B, Hq, Lp, 1)
     int32; outputs o (B, Hq, Lp, Evp) and lse (B, Hq, Lp, 1); scratch m, l
-    (bq, LANES) and acc (bq, Evp), float32."""
+    (bq, LANES) and acc (bq, Evp), float32. A key block's scores are made
+    `block_k_compute` keys at a time (None: all at once)."""
     *ins, o_hbm, lse_hbm = refs
     mask_hbm, spans_hbm, blocks_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, q_heads, lp, _ = q_hbm.shape
     sp = k_hbm.shape[2]
     bq, bk = acc_vmem.shape[0], block_k
+    bkc = block_k_compute or bk
     grid = (batch, q_heads, lp // bq, sp // bk)
     if spans:
         pltpu.sync_copy(blocks_hbm, table)
@@ -99,27 +110,39 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
             l_vmem[...] = jnp.zeros_like(l_vmem)
             acc_vmem[...] = jnp.zeros_like(acc_vmem)
 
-        def update():
-            s, _ = blocks_.capped(dot(q_ref[...], k_ref[...], (1, 1)) * scale, softcap)
+        def sub_step(c, carry):
+            """Keys c·bkc .. (c+1)·bkc of the block: the online softmax's update."""
+            cols = pl.ds(c * bkc if isinstance(c, int) else pl.multiple_of(c * bkc, bkc), bkc)
+            k_start = kv_step(i, j) * bk + c * bkc
+            s, _ = blocks_.capped(dot(q_ref[...], k_ref[cols, :], (1, 1)) * scale, softcap)
             if mask_ref is not None:
-                s = s + mask_ref[...].astype(jnp.float32)
+                s = s + mask_ref[:, cols].astype(jnp.float32)
             row_spans = None if spans_ref is None else (spans_ref[:, 0:1], spans_ref[:, 1:2])
-            seen = visible(i * bq, kv_step(i, j) * bk, s.shape, causal=causal, kv_len=kv_len,
+            seen = visible(i * bq, k_start, s.shape, causal=causal, kv_len=kv_len,
                            padded_kv_len=sp, spans=row_spans)
             if seen is not None:
                 s = jnp.where(seen, s, -jnp.inf)
-            m_old = m_vmem[...]
+            m_old = m_vmem[...]  # (bq, LANES), every lane the same
             m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
-            p = jnp.exp(s - m_safe[:, :1])
+            p = jnp.exp(s - _lanes(m_safe, bkc))
             alpha = jnp.exp(m_old - m_safe)
             l_vmem[...] = alpha * l_vmem[...] + p.sum(axis=1, keepdims=True)
-            v = v_ref[...]
+            v = v_ref[cols, :]
             if keys_ref is not None:
-                p = p * attention_dropout.block_factors(keys_ref[...], kv_step(i, j) * bk,
-                                                        p.shape, dropout_p)
-            acc_vmem[...] = acc_vmem[...] * alpha[:, :1] + dot(p.astype(v.dtype), v, (1, 0))
+                p = p * attention_dropout.block_factors(keys_ref[...], k_start, p.shape,
+                                                        dropout_p)
+            acc_vmem[...] = (acc_vmem[...] * _lanes(alpha, acc_vmem.shape[1])
+                             + dot(p.astype(v.dtype), v, (1, 0)))
             m_vmem[...] = m_new
+            return carry
+
+        def update():
+            if bkc == bk:
+                sub_step(0, None)
+            else:  # a loop, not straight-line code: each sub-step's scores
+                # die before the next one's are made
+                jax.lax.fori_loop(0, bk // bkc, sub_step, None, unroll=True)
 
         if spans:
             pl.when(table[0, i] + j < table[1, i])(update)
@@ -181,6 +204,7 @@ def pipelined_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p,
     o, lse = pl.kernel(
         functools.partial(pipelined_kernel, scale=scale, causal=causal, kv_len=dims.kv_len,
                           group=dims.group, num_cores=num_cores, block_k=bk,
+                          block_k_compute=blocks_.compute_block(config, bk),
                           **dropout_param(dropout_p), **softcap_param(softcap),
                           **({"spans": True} if spans is not None else {})),
         out_type=(lay.row_type(lay.ev, q.dtype), lay.row_type(None, jnp.float32)),

@@ -9,16 +9,21 @@ block) p = exp(s - lse), dv += pᵀ do, dp = do vᵀ, ds = p * (dp - delta),
 dq += scale * ds k, dk += scale * dsᵀ q. A row whose lse is +inf (it saw no
 key) has p = 0, hence zero gradients.
 
-Pipelined body (TPU, `tpu_interpret`): two kernels, each `pl.kernel` on the
-TensorCore mesh with `pltpu.emit_pipeline`, each owning what it writes so
-that the TensorCores never write the same block:
+Pipelined body (TPU, `tpu_interpret`): `pl.kernel` on the TensorCore mesh
+with `pltpu.emit_pipeline`, each TensorCore owning what it writes:
 
 - dk/dv: grid (B, Hkv, S/bk, G·L/bq). A key/value block stays in VMEM with
   float32 accumulators while the query blocks of all G query heads that share
   its key/value head stream past (the last axis, ARBITRARY): the GQA sum over
   the group happens in the accumulator, never through memory.
-- dq: grid (B, Hq, L/bq, S/bk), a query block resident and the key blocks
-  streaming, as in the forward.
+- dq, fused into it where VMEM holds a float32 accumulator for every query
+  row of the key/value head's G query heads (G·L·E; `config.fused_dq_bytes`,
+  with the output block): each step adds its ds k to the rows of its query
+  block, and the (B, Hkv) pair's dq is written once, after its last key
+  block. Five products a block instead of seven (the scores and dp are not
+  recomputed); only (B, Hkv) is split across TensorCores then.
+- dq otherwise in a second kernel: grid (B, Hq, L/bq, S/bk), a query block
+  resident and the key blocks streaming, as in the forward.
 
 Causal blocks that no query of the block can see are skipped in both (no
 compute; their index maps repeat a visible block, so nothing is fetched).
@@ -82,14 +87,17 @@ def _row_spans(spans_ref):
 
 def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem, dv_vmem,
                 scale, causal, kv_len, group, block_q, block_k, num_cores, dropout_p=0.0,
-                spans=False, table=None, softcap=0.0):
+                spans=False, table=None, softcap=0.0, dq_vmem=None):
     """Inputs padded: q (B, Hq, Lp, Ep), k (B, Hkv, Sp, Ep), v (B, Hkv, Sp,
     Evp), do (B, Hq, Lp, Evp), lse and delta (B, Hq, Lp, 1), optional mask
     (Bm, Hm, Lp, Sp), with spans the rows' spans (Lp, 2) and each key
     block's query blocks (2, Sp / bk) (copied to the SMEM scratch `table`),
-    with dropout the rows' keys (B, Hq, Lp, 1) int32; outputs dk, dv like
-    k, v; float32 accumulators."""
+    with dropout the rows' keys (B, Hq, Lp, 1) int32; outputs [dq like q,
+    with `dq_vmem` (G, Lp, Ep),] dk, dv like k, v; float32 accumulators."""
+    fused = dq_vmem is not None
     *ins, dk_hbm, dv_hbm = refs
+    if fused:
+        *ins, dq_hbm = ins
     mask_hbm, spans_hbm, blocks_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, kv_heads, sp, e = k_hbm.shape
     lp, ev = q_hbm.shape[2], v_hbm.shape[3]
@@ -112,8 +120,9 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
         return (b, h * group + t // nq, q_block(j, t), 0)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-2], spans, dropout_p)
-        dk_ref, dv_ref = rest[-2:]
+        outs = 3 if fused else 2
+        mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-outs], spans, dropout_p)
+        dq_ref, dk_ref, dv_ref = (None, *rest[-2:]) if not fused else rest[-3:]
         # Global block indices (emit_pipeline adds the core's offset).
         j, t = pl.program_id(2), pl.program_id(3)
         i = q_block(j, t) if spans else t % nq
@@ -122,6 +131,11 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
         def _():
             dk_vmem[...] = jnp.zeros_like(dk_vmem)
             dv_vmem[...] = jnp.zeros_like(dv_vmem)
+
+        if fused:
+            @pl.when((j == 0) & (t == 0))
+            def _():
+                dq_vmem[...] = jnp.zeros_like(dq_vmem)
 
         def update():
             q, do = q_ref[...], do_ref[...]
@@ -135,8 +149,11 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
                                                 j * bk, p.shape, dropout_p)
             pz, dp = (p, dp) if z is None else (p * z, dp * z)
             dv_vmem[...] += dot(pz.astype(do.dtype), do, (0, 0))
-            ds = _uncapped(p * (dp - delta_ref[...]), cap)
-            dk_vmem[...] += scale * dot(ds.astype(q.dtype), q, (0, 0))
+            ds = _uncapped(p * (dp - delta_ref[...]), cap).astype(q.dtype)
+            dk_vmem[...] += scale * dot(ds, q, (0, 0))
+            if fused:
+                rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
+                dq_vmem[t // nq, rows, :] += scale * dot(ds, k_ref[...], (1, 0))
 
         if spans:
             pl.when(table[0, j] + t % nq < table[1, j])(update)
@@ -149,6 +166,11 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
         def _():
             dk_ref[...] = dk_vmem[...].astype(dk_ref.dtype)
             dv_ref[...] = dv_vmem[...].astype(dv_ref.dtype)
+
+        if fused:
+            @pl.when((j == grid[2] - 1) & (t == grid[3] - 1))
+            def _():  # the pair's last step: its dq is complete
+                dq_ref[...] = dq_vmem[...].astype(dq_ref.dtype)
 
     def row_spec(width):
         return pl.BlockSpec((None, None, bq, width), q_index)
@@ -171,10 +193,15 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
     if keys_hbm is not None:
         in_specs.append(row_spec(1))
         operands.append(keys_hbm)
+    out_specs, outs = [kv_spec(e), kv_spec(ev)], [dk_hbm, dv_hbm]
+    if fused:  # one block per (B, Hkv) pair, written after its last step
+        out_specs.insert(0, pl.BlockSpec((None, group, lp, e), lambda b, h, j, t: (b, h, 0, 0)))
+        outs.insert(0, dq_hbm)
     pltpu.emit_pipeline(
-        body, grid=grid, in_specs=in_specs, out_specs=[kv_spec(e), kv_spec(ev)],
-        **pipeline_core_split(num_cores, parallel_dims=3),
-    )(*operands, dk_hbm, dv_hbm)
+        body, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        **pipeline_core_split(num_cores, parallel_dims=2 if fused else 3,
+                              sequential_dims=2 if fused else 1),
+    )(*operands, *outs)
 
 
 def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, scale, causal,
@@ -261,6 +288,12 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
     )(*operands, dq_hbm)
 
 
+def fused_dq_bytes(lay, group: int, dtype) -> int:
+    """The VMEM a fused dq takes: a float32 accumulator of the G query heads'
+    rows and its output block, double-buffered."""
+    return group * lay.lp * lay.e * (4 + 2 * jnp.dtype(dtype).itemsize)
+
+
 def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *, scale, causal,
                        dropout_p, softcap, config, interpret, num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
@@ -271,6 +304,8 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *,
     dkdv_scratch = dict(dk_vmem=pltpu.VMEM((bk, lay.e), jnp.float32),
                         dv_vmem=pltpu.VMEM((bk, lay.ev), jnp.float32))
     dq_scratch = dict(dq_vmem=pltpu.VMEM((bq, lay.e), jnp.float32))
+    fused = (0 < fused_dq_bytes(lay, dims.group, q.dtype) <= config.fused_dq_bytes
+             and (dims.batch * dims.kv_heads) % num_cores == 0)
     dkdv_tables = dq_tables = ()
     if spans is not None:
         static["spans"] = True
@@ -281,19 +316,25 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *,
         dkdv_scratch["table"] = pltpu.SMEM(by_key.shape, jnp.int32)
         dq_scratch["table"] = pltpu.SMEM(dq_tables[1].shape, jnp.int32)
     mesh = tensorcore_mesh(num_cores)
+    params = chip.compiler_params(config.vmem_limit)
+    kv_types = (lay.kv_type(lay.e, q.dtype), lay.kv_type(lay.ev, q.dtype))
+    if fused:
+        dkdv_scratch["dq_vmem"] = pltpu.VMEM((dims.group, lay.lp, lay.e), jnp.float32)
+        dq, dk, dv = pl.kernel(
+            functools.partial(dkdv_kernel, **static),
+            out_type=(lay.row_type(lay.e, q.dtype), *kv_types),
+            mesh=mesh, scratch_types=dkdv_scratch, compiler_params=params, interpret=interpret,
+        )(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dkdv_tables))
+        return _results(lay, dq, dk, dv)
     dk, dv = pl.kernel(
         functools.partial(dkdv_kernel, **static),
-        out_type=(lay.kv_type(lay.e, q.dtype), lay.kv_type(lay.ev, q.dtype)),
-        mesh=mesh,
-        scratch_types=dkdv_scratch,
-        interpret=interpret,
+        out_type=kv_types,
+        mesh=mesh, scratch_types=dkdv_scratch, compiler_params=params, interpret=interpret,
     )(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dkdv_tables))
     dq = pl.kernel(
         functools.partial(dq_kernel, **static),
         out_type=lay.row_type(lay.e, q.dtype),
-        mesh=mesh,
-        scratch_types=dq_scratch,
-        interpret=interpret,
+        mesh=mesh, scratch_types=dq_scratch, compiler_params=params, interpret=interpret,
     )(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dq_tables))
     return _results(lay, dq, dk, dv)
 
@@ -482,7 +523,7 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     if backend == "tpu":
         return blocks_.chip_config(avals[0][1], masked=_masked(avals, params),
                                    backward=True, spans=bool(params.get("spans")),
-                                   softcap=bool(params.get("softcap")))
+                                   softcap=bool(params.get("softcap")), device=device)
     return blocks_.select_config(backend, _dims(avals, params), params, backward=True)
 
 

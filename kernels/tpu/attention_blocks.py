@@ -87,14 +87,25 @@ CHIP_BLOCK_K = 1024
 # backward); 256 x 512 for more.
 CHIP_BLOCKS_BY_LOAD = {1: (1024, 1024), 2: (1024, 1024), 3: (512, 1024), 4: (512, 512)}
 CHIP_BLOCKS_HEAVIEST = (256, 512)
+# The simulator's budget for the backward's fused dq (no VMEM to run out of
+# there; sized like a chip's to keep the two-kernel path for long rows).
+SIMULATED_FUSED_DQ_BYTES = 48 * 2**20
 
 
 def chip_config(dtype: str, *, masked: bool, backward: bool, spans: bool = False,
-                softcap: bool = False) -> "AttentionConfig":
-    """The chip's blocks for a kernel of this load (CHIP_BLOCKS_BY_LOAD)."""
+                softcap: bool = False, device=None) -> "AttentionConfig":
+    """The chip's blocks for a kernel of this load (CHIP_BLOCKS_BY_LOAD);
+    the backward's fused dq takes what VMEM the chip has beyond the blocks'
+    16 MiB (chip.vmem_limit; none where the chip is unknown)."""
     load = (1 if dtype == "bfloat16" else 2) + masked + backward + spans + softcap
     block_q, block_k = CHIP_BLOCKS_BY_LOAD.get(load, CHIP_BLOCKS_HEAVIEST)
-    return AttentionConfig(Body.PIPELINED, block_q=block_q, block_k=block_k, head_multiple=LANES)
+    config = AttentionConfig(Body.PIPELINED, block_q=block_q, block_k=block_k,
+                             head_multiple=LANES)
+    limit = chip.vmem_limit(device)
+    if backward and limit > chip.DEFAULT_VMEM_BUDGET:
+        config = dataclasses.replace(config, vmem_limit=limit,
+                                     fused_dq_bytes=limit - chip.DEFAULT_VMEM_BUDGET)
+    return config
 
 
 class Body(enum.Enum):
@@ -117,6 +128,14 @@ class AttentionConfig:
     # sequence's causal rows), a plain softmax; a block whose spans reach
     # further takes the key chunks. (): key chunks only
     slabs: tuple[int, ...] = ()
+    # pipelined forward: keys a key block's scores are made at a time (a
+    # divisor of the block; None: all of them at once)
+    block_k_compute: int | None = None
+    # pipelined backward: the most VMEM bytes dq may take fused into the
+    # dk/dv kernel (attention_backward.fused_dq_bytes); 0: a kernel of its own
+    fused_dq_bytes: int = 0
+    # on a chip: the scoped VMEM asked of Mosaic (chip.vmem_limit); None: its default
+    vmem_limit: int | None = None
 
     @classmethod
     def default(cls, backend: str) -> "AttentionConfig":
@@ -125,8 +144,10 @@ class AttentionConfig:
         if backend == "tpu":  # the chip: blocks large enough to keep the MXU busy
             return cls(Body.PIPELINED, block_q=CHIP_BLOCK_Q, block_k=CHIP_BLOCK_K,
                        head_multiple=LANES)
-        # the simulator: small blocks, quick to simulate, many of them
-        return cls(Body.PIPELINED, block_q=128, block_k=128, head_multiple=LANES)
+        # the simulator: small blocks, quick to simulate, many of them; dq
+        # fused as on a chip with VMEM to spare
+        return cls(Body.PIPELINED, block_q=128, block_k=128, head_multiple=LANES,
+                   fused_dq_bytes=SIMULATED_FUSED_DQ_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,6 +427,14 @@ class Layout:
     def kv_result(self, x, width: int):
         """A per-key result (`kv_type`) as (B, Hkv, S, width)."""
         return x[:, :, :self.dims.kv_len, :width]
+
+
+def compute_block(config: AttentionConfig, block_k: int) -> int | None:
+    """The forward's keys per sub-step of a `block_k` key block: the
+    config's where it divides the block (a short sequence's single block
+    may be narrower), else the whole block (None)."""
+    c = config.block_k_compute
+    return c if c and c < block_k and block_k % c == 0 else None
 
 
 def pipelined_layout(dims: AttentionDims, config: AttentionConfig):

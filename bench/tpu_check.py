@@ -459,8 +459,11 @@ def attention_sweep():
         # in sub-steps (each knob is one kernel's, the other kernel ignores it)
         variants["1024x1024 dq apart"] = lambda c: dataclasses.replace(
             c, block_q=1024, block_k=1024, fused_dq_bytes=0)
-        for bq, bk, bkc in ((1024, 1024, 512), (1024, 1024, 256), (2048, 1024, 512),
-                            (1024, 2048, 512), (2048, 512, 256)):
+        variants["1024x1024 all keys at once"] = lambda c: dataclasses.replace(
+            c, block_q=1024, block_k=1024, block_k_compute=None)
+        for bq, bk, bkc in ((1024, 1024, 512), (1024, 1024, 256), (1024, 1024, 128),
+                            (2048, 1024, 256), (1024, 2048, 256), (1024, 2048, 512),
+                            (512, 1024, 256)):
             variants[f"{bq}x{bk} compute {bkc}"] = (
                 lambda c, bq=bq, bk=bk, bkc=bkc: dataclasses.replace(
                     c, block_q=bq, block_k=bk, block_k_compute=bkc))

@@ -321,17 +321,21 @@ def test_tpu_interpret_race_free(kw, fused_dq_bytes):
     check("tpu_interpret", case, config=config, detect_races=True)
 
 
-# 256-key blocks made 128 keys at a time (the forward's sub-steps, as on a
-# chip): the mask, dropout's factors and the causal and padded keys by each
-# sub-step's own key offset; 300 keys, so the last block is part padding.
+# 256-key blocks made 128 keys at a time (the sub-steps of the forward and
+# of dk/dv, as on a chip): the mask, dropout's factors and the causal and
+# padded keys by each sub-step's own key offset; 300 keys, so the last
+# block is part padding.
 TPU_SUB_STEPS = AttentionConfig(Body.PIPELINED, block_q=16, block_k=256, block_k_compute=128,
                                 head_multiple=attention_blocks.LANES)
 
 
-def test_tpu_interpret_forward_key_sub_steps():
-    case = make_case(b=1, hq=2, hkv=1, l=24, s=300, e=8, causal=True, mask="heads",
-                     dtype=torch.bfloat16, mask_dtype=torch.float32, dropout_p=0.4)
-    check("tpu_interpret", case, config=TPU_SUB_STEPS, detect_races=True)
+@pytest.mark.parametrize("fused_dq_bytes", FUSED_DQ.values(), ids=FUSED_DQ.keys())
+def test_tpu_interpret_key_sub_steps(fused_dq_bytes):
+    kw = dict(b=1, hq=2, hkv=1, l=24, s=300, e=8, causal=True, mask="heads",
+              dtype=torch.bfloat16, mask_dtype=torch.float32, dropout_p=0.4)
+    config = dataclasses.replace(TPU_SUB_STEPS, fused_dq_bytes=fused_dq_bytes)
+    case = make_case(**(two_pairs(kw) if fused_dq_bytes else kw))
+    check("tpu_interpret", case, config=config, detect_races=True)
 
 
 # 32-row query blocks, 16-key blocks: below the diagonal whole blocks that

@@ -87,13 +87,15 @@ def _row_spans(spans_ref):
 
 def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem, dv_vmem,
                 scale, causal, kv_len, group, block_q, block_k, num_cores, dropout_p=0.0,
-                spans=False, table=None, softcap=0.0, dq_vmem=None):
+                spans=False, table=None, softcap=0.0, dq_vmem=None, block_k_compute=None):
     """Inputs padded: q (B, Hq, Lp, Ep), k (B, Hkv, Sp, Ep), v (B, Hkv, Sp,
     Evp), do (B, Hq, Lp, Evp), lse and delta (B, Hq, Lp, 1), optional mask
     (Bm, Hm, Lp, Sp), with spans the rows' spans (Lp, 2) and each key
     block's query blocks (2, Sp / bk) (copied to the SMEM scratch `table`),
     with dropout the rows' keys (B, Hq, Lp, 1) int32; outputs [dq like q,
-    with `dq_vmem` (G, Lp, Ep),] dk, dv like k, v; float32 accumulators."""
+    with `dq_vmem` (G, Lp, Ep),] dk, dv like k, v; float32 accumulators. A
+    key block meets a query block `block_k_compute` keys at a time (None:
+    all at once)."""
     fused = dq_vmem is not None
     *ins, dk_hbm, dv_hbm = refs
     if fused:
@@ -102,6 +104,7 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
     batch, kv_heads, sp, e = k_hbm.shape
     lp, ev = q_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
+    bkc = block_k_compute or bk
     nq = lp // bq
     grid = (batch, kv_heads, sp // bk, group * nq)
     if spans:
@@ -137,23 +140,33 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
             def _():
                 dq_vmem[...] = jnp.zeros_like(dq_vmem)
 
-        def update():
-            q, do = q_ref[...], do_ref[...]
-            s, cap = _masked_scores(q, k_ref[...], None if mask_ref is None else mask_ref[...],
-                                    scale=scale, q_start=i * bq, k_start=j * bk, causal=causal,
+        def sub_step(c, carry):
+            """Keys c·bkc .. (c+1)·bkc of the key block against the query block."""
+            cols = pl.ds(c * bkc if isinstance(c, int) else pl.multiple_of(c * bkc, bkc), bkc)
+            k_start = j * bk + c * bkc
+            q, do, k = q_ref[...], do_ref[...], k_ref[cols, :]
+            s, cap = _masked_scores(q, k, None if mask_ref is None else mask_ref[:, cols],
+                                    scale=scale, q_start=i * bq, k_start=k_start, causal=causal,
                                     kv_len=kv_len, padded_kv_len=sp, contract=(1, 1),
                                     softcap=softcap, spans=_row_spans(spans_ref))
-            p = jnp.exp(s - lse_ref[...])  # (bq, bk); 0 where lse is +inf
-            dp = dot(do, v_ref[...], (1, 1))
+            p = jnp.exp(s - lse_ref[...])  # (bq, bkc); 0 where lse is +inf
+            dp = dot(do, v_ref[cols, :], (1, 1))
             z = attention_dropout.block_factors(None if keys_ref is None else keys_ref[...],
-                                                j * bk, p.shape, dropout_p)
+                                                k_start, p.shape, dropout_p)
             pz, dp = (p, dp) if z is None else (p * z, dp * z)
-            dv_vmem[...] += dot(pz.astype(do.dtype), do, (0, 0))
+            dv_vmem[cols, :] += dot(pz.astype(do.dtype), do, (0, 0))
             ds = _uncapped(p * (dp - delta_ref[...]), cap).astype(q.dtype)
-            dk_vmem[...] += scale * dot(ds, q, (0, 0))
+            dk_vmem[cols, :] += scale * dot(ds, q, (0, 0))
             if fused:
                 rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
-                dq_vmem[t // nq, rows, :] += scale * dot(ds, k_ref[...], (1, 0))
+                dq_vmem[t // nq, rows, :] += scale * dot(ds, k, (1, 0))
+            return carry
+
+        def update():
+            if bkc == bk:
+                sub_step(0, None)
+            else:  # a loop, as the forward's
+                jax.lax.fori_loop(0, bk // bkc, sub_step, None, unroll=True)
 
         if spans:
             pl.when(table[0, j] + t % nq < table[1, j])(update)
@@ -301,6 +314,7 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *,
     static = dict(scale=scale, causal=causal, kv_len=dims.kv_len, group=dims.group,
                   block_q=bq, block_k=bk, num_cores=num_cores, **dropout_param(dropout_p),
                   **softcap_param(softcap))
+    dkdv_static = dict(block_k_compute=blocks_.compute_block(config, bk))
     dkdv_scratch = dict(dk_vmem=pltpu.VMEM((bk, lay.e), jnp.float32),
                         dv_vmem=pltpu.VMEM((bk, lay.ev), jnp.float32))
     dq_scratch = dict(dq_vmem=pltpu.VMEM((bq, lay.e), jnp.float32))
@@ -321,13 +335,13 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *,
     if fused:
         dkdv_scratch["dq_vmem"] = pltpu.VMEM((dims.group, lay.lp, lay.e), jnp.float32)
         dq, dk, dv = pl.kernel(
-            functools.partial(dkdv_kernel, **static),
+            functools.partial(dkdv_kernel, **static, **dkdv_static),
             out_type=(lay.row_type(lay.e, q.dtype), *kv_types),
             mesh=mesh, scratch_types=dkdv_scratch, compiler_params=params, interpret=interpret,
         )(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dkdv_tables))
         return _results(lay, dq, dk, dv)
     dk, dv = pl.kernel(
-        functools.partial(dkdv_kernel, **static),
+        functools.partial(dkdv_kernel, **static, **dkdv_static),
         out_type=kv_types,
         mesh=mesh, scratch_types=dkdv_scratch, compiler_params=params, interpret=interpret,
     )(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dkdv_tables))

@@ -87,6 +87,12 @@ CHIP_BLOCK_K = 1024
 # backward); 256 x 512 for more.
 CHIP_BLOCKS_BY_LOAD = {1: (1024, 1024), 2: (1024, 1024), 3: (512, 1024), 4: (512, 512)}
 CHIP_BLOCKS_HEAVIEST = (256, 512)
+# Keys a forward's key block is made at a time. v5e, causal bfloat16 D128,
+# 1024 x 1024 blocks, B2 H16 L4096 / B1 H16 L8192 (ms): all 1024 at once
+# 1.650 / 2.697, 512 at a time 1.563 / 2.532, 256 1.530 / 2.466 (splash's
+# best, 512: 1.510 / 2.378). Its scores' live block shrinks (1024 x 256
+# float32, 1 MiB, not 4).
+CHIP_FORWARD_K_COMPUTE = 256
 # The simulator's budget for the backward's fused dq (no VMEM to run out of
 # there; sized like a chip's to keep the two-kernel path for long rows).
 SIMULATED_FUSED_DQ_BYTES = 48 * 2**20
@@ -100,7 +106,8 @@ def chip_config(dtype: str, *, masked: bool, backward: bool, spans: bool = False
     load = (1 if dtype == "bfloat16" else 2) + masked + backward + spans + softcap
     block_q, block_k = CHIP_BLOCKS_BY_LOAD.get(load, CHIP_BLOCKS_HEAVIEST)
     config = AttentionConfig(Body.PIPELINED, block_q=block_q, block_k=block_k,
-                             head_multiple=LANES)
+                             head_multiple=LANES,
+                             block_k_compute=None if backward else CHIP_FORWARD_K_COMPUTE)
     limit = chip.vmem_limit(device)
     if backward and limit > chip.DEFAULT_VMEM_BUDGET:
         config = dataclasses.replace(config, vmem_limit=limit,
@@ -128,8 +135,8 @@ class AttentionConfig:
     # sequence's causal rows), a plain softmax; a block whose spans reach
     # further takes the key chunks. (): key chunks only
     slabs: tuple[int, ...] = ()
-    # pipelined forward: keys a key block's scores are made at a time (a
-    # divisor of the block; None: all of them at once)
+    # pipelined forward and dk/dv: keys a key block's scores are made at a
+    # time (a divisor of the block; None: all of them at once)
     block_k_compute: int | None = None
     # pipelined backward: the most VMEM bytes dq may take fused into the
     # dk/dv kernel (attention_backward.fused_dq_bytes); 0: a kernel of its own
@@ -430,7 +437,7 @@ class Layout:
 
 
 def compute_block(config: AttentionConfig, block_k: int) -> int | None:
-    """The forward's keys per sub-step of a `block_k` key block: the
+    """The keys per sub-step of a `block_k` key block: the
     config's where it divides the block (a short sequence's single block
     may be narrower), else the whole block (None)."""
     c = config.block_k_compute

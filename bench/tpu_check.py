@@ -262,6 +262,74 @@ def attention_case(batch: int, heads: int, length: int, dim: int = 128):
         work=3.5 * flops, unit="TFLOP/s", goal=">= 1.0x splash, >= 1.0x xla")
 
 
+def attention_spans_case(kind: str, heads: int = 16, length: int = 8192, dim: int = 128,
+                         span: int = 1024, sequences: int = 4):
+    """Attention whose rows see spans of keys, forward and forward+backward:
+    a causal sliding window of `span` keys (`window_size=(span - 1, 0)`), or
+    `sequences` packed causal sequences (varlen_attention); against splash
+    attention at its fastest settings (attention_case) with the same mask
+    (LocalMask, or segment ids)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    if kind == "window":
+        q, k, v = (rand(1, heads, length, dim, grad=True) for _ in range(3))
+
+        def call():
+            return torch_pallas.attention(q, k, v, window_size=(span - 1, 0))
+
+        one = sm.LocalMask((length, length), window_size=(span - 1, 0), offset=0)
+        segments = None
+        visible = sum(min(i + 1, span) for i in range(length))
+    else:
+        q, k, v = (rand(length, heads, dim, grad=True) for _ in range(3))  # (T, H, D)
+        each = length // sequences
+        cu = torch.arange(0, length + 1, each, dtype=torch.int32)
+
+        def call():
+            return torch_pallas.varlen_attention(q, k, v, cu, cu, each, each,
+                                                 window_size=(-1, 0))
+
+        one = sm.CausalMask((length, length))
+        ids = jnp.arange(length, dtype=jnp.int32) // each
+        segments = sk.SegmentIds(q=ids, kv=ids)
+        visible = sequences * each * (each + 1) // 2
+
+    def step():
+        out = call()
+        out.backward(torch.ones_like(out))
+
+    calls = record(step)
+    first_backward = next(i for i, c in enumerate(calls) if c["op"].endswith("backward"))
+    f_fns, f_args = ours(calls[:first_backward])
+    b_fns, b_args = ours(calls[first_backward:])
+    heads_first = [np.asarray(bridge.to_kernel_argument(t.detach())) for t in (q, k, v)]
+    heads_first = [x[0] if kind == "window" else x.transpose(1, 0, 2) for x in heads_first]
+    sizes = sk.BlockSizes(block_q=1024, block_kv=1024, block_kv_compute=512, block_q_dkv=1024,
+                          block_kv_dkv=1024, block_kv_dkv_compute=1024,
+                          use_fused_bwd_kernel=True)
+    splash = sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=sizes,
+                                head_shards=1, q_seq_shards=1)
+    scale = dim ** -0.5
+    refs = {"splash": lambda q, k, v: splash(q * scale, k, v, segment_ids=segments),
+            "splash fwd+bwd": jax.grad(
+                lambda q, k, v: splash(q * scale, k, v, segment_ids=segments)
+                .astype(jnp.float32).sum(), argnums=(0, 1, 2))}
+    t = compare({**f_fns, **b_fns, **refs},
+                {**f_args, **b_args, **{n: heads_first for n in refs}})
+    fwd = None if COMPILE_ONLY else sum(t[n] for n in f_fns)
+    both = None if COMPILE_ONLY else fwd + sum(t[n] for n in b_fns)
+    flops = 4.0 * heads * visible * dim
+    name = (f"attention bf16 H{heads} L{length} D{dim}, "
+            + (f"causal window {span}" if kind == "window" else f"{sequences} packed causal "
+               f"sequences"))
+    goal = ">= 1.0x splash"
+    row(f"{name}, forward", fwd, {"splash (1024, 1024) compute 512": t["splash"]},
+        work=flops, unit="TFLOP/s", goal=goal)
+    row(f"{name}, forward+backward", both, {"splash fused bwd": t["splash fwd+bwd"]},
+        work=3.5 * flops, unit="TFLOP/s", goal=goal)
+
+
 def grouped_mm_case(rows: int, k: int, n: int, groups: int = 8):
     from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
 
@@ -558,6 +626,7 @@ CASES = {
     "matmul": lambda: [matmul_case(n, d) for d in (torch.bfloat16, torch.float32)
                        for n in (4096, 8192)],
     "attention": lambda: [attention_case(2, 16, 4096), attention_case(1, 16, 8192)],
+    "attention_spans": lambda: [attention_spans_case("window"), attention_spans_case("packed")],
     "grouped_mm": lambda: [grouped_mm_case(8192, 4096, 1792), grouped_mm_case(16384, 4096, 1792)],
     "memory_bound": memory_bound_cases,
     "linear_cross_entropy": lambda: [linear_cross_entropy_case(tokens)

@@ -70,11 +70,12 @@ def unsupported(backend: str, avals, params) -> str | None:
 
 # Query rows and keys per block on a chip. 128 x 128 (JAX issue 24633: the
 # shipped flash kernel's default, ~7 TFLOP/s on v5e) left v5e's MXU idle.
-# Causal bfloat16 D128 on v5e, B2 H16 L4096 / B1 H16 L8192, forward and
-# backward kernels (ms, bench/tpu_check.py's sweep): 512 x 512 2.60 + 4.75 /
-# 4.54 + 8.37; 1024 x 512 2.26 + 4.47 / 3.79 + 7.61; 512 x 1024 1.85 + 4.49
-# / 3.04 + 7.61; 1024 x 1024 1.66 + 4.24 / 2.69 + 7.15 (splash attention at
-# its best blocks: 1.68 / 2.67 forward, 5.69 / 9.50 both).
+# Causal bfloat16 D128 on v5e, B2 H16 L4096 / B1 H16 L8192, forward (256
+# keys a sub-step) and backward (dq fused) kernels (ms, bench/tpu_check.py's
+# sweep, 2026-12-06): 512 x 512 2.10 + 3.21 / 3.60 + 5.68; 1024 x 512 1.72 +
+# 3.13 / 2.83 + 5.30; 512 x 1024 1.85 + 3.11 / 3.00 + 5.29; 1024 x 1024 1.52
+# + 3.00 / 2.47 + 5.02; 2048 x 1024 1.56 + 3.55 / 2.37 + 5.62 (splash
+# attention at its best blocks: 1.505 / 2.382 forward, 4.378 / 7.481 both).
 CHIP_BLOCK_Q = 1024
 CHIP_BLOCK_K = 1024
 # Smaller blocks where a kernel holds more in VMEM (Mosaic's 16 MiB): by its
@@ -87,12 +88,15 @@ CHIP_BLOCK_K = 1024
 # backward); 256 x 512 for more.
 CHIP_BLOCKS_BY_LOAD = {1: (1024, 1024), 2: (1024, 1024), 3: (512, 1024), 4: (512, 512)}
 CHIP_BLOCKS_HEAVIEST = (256, 512)
-# Keys a forward's key block is made at a time. v5e, causal bfloat16 D128,
-# 1024 x 1024 blocks, B2 H16 L4096 / B1 H16 L8192 (ms): all 1024 at once
-# 1.650 / 2.697, 512 at a time 1.563 / 2.532, 256 1.530 / 2.466 (splash's
-# best, 512: 1.510 / 2.378). Its scores' live block shrinks (1024 x 256
-# float32, 1 MiB, not 4).
-CHIP_FORWARD_K_COMPUTE = 256
+# Keys a key block's scores are made at a time (forward, backward's dk/dv).
+# v5e, causal bfloat16 D128, 1024 x 1024 blocks, B2 H16 L4096 / B1 H16
+# L8192 (ms, bench/tpu_check.py's sweep, 2026-12-06). Forward: all 1024 at
+# once 1.657 / 2.690, 512 at a time 1.558 / 2.519, 256 1.525 / 2.452, 128
+# 2.027 / 3.361 (splash's best, 512 at a time: 1.505 / 2.382). Backward
+# (dq fused): all at once 2.996 / 5.030, 512 2.936 / 4.914, 256 2.973 /
+# 4.988, 128 3.408 / 5.790. A sub-step's scores are a smaller live block
+# (1024 x 256 float32: 1 MiB, not 4).
+CHIP_K_COMPUTE = {False: 256, True: 512}  # by backward
 # The simulator's budget for the backward's fused dq (no VMEM to run out of
 # there; sized like a chip's to keep the two-kernel path for long rows).
 SIMULATED_FUSED_DQ_BYTES = 48 * 2**20
@@ -107,7 +111,7 @@ def chip_config(dtype: str, *, masked: bool, backward: bool, spans: bool = False
     block_q, block_k = CHIP_BLOCKS_BY_LOAD.get(load, CHIP_BLOCKS_HEAVIEST)
     config = AttentionConfig(Body.PIPELINED, block_q=block_q, block_k=block_k,
                              head_multiple=LANES,
-                             block_k_compute=None if backward else CHIP_FORWARD_K_COMPUTE)
+                             block_k_compute=CHIP_K_COMPUTE[backward])
     limit = chip.vmem_limit(device)
     if backward and limit > chip.DEFAULT_VMEM_BUDGET:
         config = dataclasses.replace(config, vmem_limit=limit,

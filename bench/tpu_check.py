@@ -146,6 +146,13 @@ def ours(calls) -> tuple[dict, dict]:
     return functions, args
 
 
+def forward_and_backward(calls) -> tuple[list, list]:
+    """Recorded calls of a forward and its backward, split at the first
+    backward kernel."""
+    first = next(i for i, c in enumerate(calls) if c["op"].endswith("backward"))
+    return calls[:first], calls[first:]
+
+
 # --- the cases ----------------------------------------------------------------------
 
 RESULTS = []
@@ -184,21 +191,35 @@ def matmul_case(n: int, dtype: torch.dtype):
         work=2.0 * n ** 3, unit="TFLOP/s", goal=">= 1.0x jnp.dot")
 
 
-def _splash(batch, heads, length, blocks, compute=None, fused=False):
-    """Splash attention at (query, key) blocks, its forward taking `compute`
-    keys at a time (all of a block: None), its backward one fused kernel
-    (dq with dk and dv) or two."""
+def _splash_heads(mask, heads, blocks, compute=None, fused=False):
+    """Splash attention over `heads` heads of `mask` (one head's
+    splash_attention_mask) at (query, key) blocks, its forward taking
+    `compute` keys at a time (all of a block: None), its backward one fused
+    kernel (dq with dk and dv) or two: a function of (H, L, D) arrays."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    mask = sm.MultiHeadMask([sm.CausalMask((length, length)) for _ in range(heads)])
     sizes = sk.BlockSizes(block_q=blocks[0], block_kv=blocks[1],
                           block_kv_compute=compute or blocks[1], block_q_dkv=blocks[0],
                           block_kv_dkv=blocks[1], block_kv_dkv_compute=blocks[1],
                           block_q_dq=None if fused else blocks[0],
                           block_kv_dq=None if fused else blocks[1], use_fused_bwd_kernel=fused)
-    kernel = sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1)
-    return jax.vmap(kernel)
+    return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes,
+                              head_shards=1, q_seq_shards=1)
+
+
+def _splash(batch, heads, length, blocks, compute=None, fused=False):
+    """Causal splash attention (_splash_heads) of (B, H, L, D) arrays."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    return jax.vmap(_splash_heads(sm.CausalMask((length, length)), heads, blocks, compute,
+                                  fused))
+
+
+# splash's fastest on v5e (2026-12-06, B2 H16 L4096): 1024 x 1024 blocks,
+# the forward 512 keys at a time (1.503 ms against 1.629 all at once), the
+# backward fused (fwd+bwd 4.50 ms against 5.40 in two kernels)
+SPLASH_FASTEST = dict(blocks=(1024, 1024), compute=512, fused=True)
 
 
 def attention_case(batch: int, heads: int, length: int, dim: int = 128):
@@ -209,19 +230,14 @@ def attention_case(batch: int, heads: int, length: int, dim: int = 128):
         out = torch_pallas.attention(q, k, v, is_causal=True)
         out.backward(torch.ones_like(out))
 
-    calls = record(step)
-    forward = [c for c in calls if c["op"] == "attention"]
-    backward = [c for c in calls if c["op"] == "attention_backward"]
+    forward, backward = forward_and_backward(record(step))
     f_fns, f_args = ours(forward)
     b_fns, b_args = ours(backward)
     qs = [np.asarray(bridge.to_kernel_argument(t.detach())) for t in (q, k, v)]
     refs, ref_args = {}, {}
-    # splash's fastest on v5e (2026-12-06, B2 H16 L4096): 1024 x 1024 blocks,
-    # the forward 512 keys at a time (1.503 ms against 1.629 all at once),
-    # the backward fused (fwd+bwd 4.50 ms against 5.40 in two kernels)
     for blocks, compute, fused in (((512, 512), None, False), ((1024, 512), None, False),
                                    ((512, 1024), None, False), ((1024, 1024), None, False),
-                                   ((1024, 1024), 512, True)):
+                                   tuple(SPLASH_FASTEST.values())):
         splash = _splash(batch, heads, length, blocks, compute, fused)
         label = f"splash {blocks}" + (f" compute {compute}" if compute else "") + (
             " fused bwd" if fused else "")
@@ -299,17 +315,12 @@ def attention_spans_case(kind: str, heads: int = 16, length: int = 8192, dim: in
         out = call()
         out.backward(torch.ones_like(out))
 
-    calls = record(step)
-    first_backward = next(i for i, c in enumerate(calls) if c["op"].endswith("backward"))
-    f_fns, f_args = ours(calls[:first_backward])
-    b_fns, b_args = ours(calls[first_backward:])
+    forward, backward = forward_and_backward(record(step))
+    f_fns, f_args = ours(forward)
+    b_fns, b_args = ours(backward)
     heads_first = [np.asarray(bridge.to_kernel_argument(t.detach())) for t in (q, k, v)]
     heads_first = [x[0] if kind == "window" else x.transpose(1, 0, 2) for x in heads_first]
-    sizes = sk.BlockSizes(block_q=1024, block_kv=1024, block_kv_compute=512, block_q_dkv=1024,
-                          block_kv_dkv=1024, block_kv_dkv_compute=1024,
-                          use_fused_bwd_kernel=True)
-    splash = sk.make_splash_mha(sm.MultiHeadMask([one] * heads), block_sizes=sizes,
-                                head_shards=1, q_seq_shards=1)
+    splash = _splash_heads(one, heads, **SPLASH_FASTEST)
     scale = dim ** -0.5
     refs = {"splash": lambda q, k, v: splash(q * scale, k, v, segment_ids=segments),
             "splash fwd+bwd": jax.grad(
@@ -324,9 +335,9 @@ def attention_spans_case(kind: str, heads: int = 16, length: int = 8192, dim: in
             + (f"causal window {span}" if kind == "window" else f"{sequences} packed causal "
                f"sequences"))
     goal = ">= 1.0x splash"
-    row(f"{name}, forward", fwd, {"splash (1024, 1024) compute 512": t["splash"]},
+    row(f"{name}, forward", fwd, {"splash at its fastest": t["splash"]},
         work=flops, unit="TFLOP/s", goal=goal)
-    row(f"{name}, forward+backward", both, {"splash fused bwd": t["splash fwd+bwd"]},
+    row(f"{name}, forward+backward", both, {"splash at its fastest": t["splash fwd+bwd"]},
         work=3.5 * flops, unit="TFLOP/s", goal=goal)
 
 
@@ -523,8 +534,8 @@ def attention_sweep():
             f"{bq}x{bk}": (lambda c, bq=bq, bk=bk: dataclasses.replace(c, block_q=bq, block_k=bk))
             for bq, bk in ((512, 512), (512, 1024), (1024, 512), (1024, 1024), (2048, 512),
                            (2048, 1024), (256, 2048), (512, 2048))}
-        # the backward's dq in a kernel of its own; the forward's key blocks
-        # in sub-steps (each knob is one kernel's, the other kernel ignores it)
+        # the backward's dq in a kernel of its own (the forward has none);
+        # the forward's and dk/dv's key blocks in sub-steps
         variants["1024x1024 dq apart"] = lambda c: dataclasses.replace(
             c, block_q=1024, block_k=1024, fused_dq_bytes=0)
         variants["1024x1024 all keys at once"] = lambda c: dataclasses.replace(

@@ -84,7 +84,6 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
     batch, q_heads, lp, _ = q_hbm.shape
     sp = k_hbm.shape[2]
     bq, bk = acc_vmem.shape[0], block_k
-    bkc = block_k_compute or bk
     grid = (batch, q_heads, lp // bq, sp // bk)
     if spans:
         pltpu.sync_copy(blocks_hbm, table)
@@ -110,22 +109,18 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
             l_vmem[...] = jnp.zeros_like(l_vmem)
             acc_vmem[...] = jnp.zeros_like(acc_vmem)
 
-        def sub_step(c, carry):
-            """Keys c·bkc .. (c+1)·bkc of the block: the online softmax's update."""
-            cols = pl.ds(c * bkc if isinstance(c, int) else pl.multiple_of(c * bkc, bkc), bkc)
-            k_start = kv_step(i, j) * bk + c * bkc
-            s, _ = blocks_.capped(dot(q_ref[...], k_ref[cols, :], (1, 1)) * scale, softcap)
-            if mask_ref is not None:
-                s = s + mask_ref[:, cols].astype(jnp.float32)
-            row_spans = None if spans_ref is None else (spans_ref[:, 0:1], spans_ref[:, 1:2])
-            seen = visible(i * bq, k_start, s.shape, causal=causal, kv_len=kv_len,
-                           padded_kv_len=sp, spans=row_spans)
-            if seen is not None:
-                s = jnp.where(seen, s, -jnp.inf)
+        def sub_step(cols, offset):
+            """Keys `cols` of the block: the online softmax's update."""
+            k_start = kv_step(i, j) * bk + offset
+            s, _ = blocks_.masked_scores(
+                q_ref[...], k_ref[cols, :], None if mask_ref is None else mask_ref[:, cols],
+                scale=scale, q_start=i * bq, k_start=k_start, causal=causal, kv_len=kv_len,
+                padded_kv_len=sp, contract=(1, 1), softcap=softcap,
+                spans=blocks_.row_spans(spans_ref))
             m_old = m_vmem[...]  # (bq, LANES), every lane the same
             m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
-            p = jnp.exp(s - _lanes(m_safe, bkc))
+            p = jnp.exp(s - _lanes(m_safe, s.shape[1]))
             alpha = jnp.exp(m_old - m_safe)
             l_vmem[...] = alpha * l_vmem[...] + p.sum(axis=1, keepdims=True)
             v = v_ref[cols, :]
@@ -135,14 +130,9 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
             acc_vmem[...] = (acc_vmem[...] * _lanes(alpha, acc_vmem.shape[1])
                              + dot(p.astype(v.dtype), v, (1, 0)))
             m_vmem[...] = m_new
-            return carry
 
         def update():
-            if bkc == bk:
-                sub_step(0, None)
-            else:  # a loop, not straight-line code: each sub-step's scores
-                # die before the next one's are made
-                jax.lax.fori_loop(0, bk // bkc, sub_step, None, unroll=True)
+            blocks_.over_key_sub_steps(bk, block_k_compute, sub_step)
 
         if spans:
             pl.when(table[0, i] + j < table[1, i])(update)

@@ -57,28 +57,13 @@ from torch_pallas.kernels.attention_shapes import (attention_dims, attention_flo
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.tpu import chip
 from torch_pallas.kernels.tpu import attention_blocks as blocks_
-from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot, visible
+from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body, dot
 from torch_pallas.kernels.tpu.cores import pipeline_core_split, tensorcore_mesh
-
-
-def _masked_scores(q, k, mask, *, scale, q_start, k_start, causal, kv_len, padded_kv_len,
-                   contract, batch_dims=0, softcap=0.0, spans=None):
-    """(the scores, masked, and the tanh of a softcap, or None)."""
-    s, t = blocks_.capped(dot(q, k, contract, batch_dims) * scale, softcap)
-    if mask is not None:
-        s = s + mask.astype(jnp.float32)
-    seen = visible(q_start, k_start, s.shape, causal=causal, kv_len=kv_len,
-                   padded_kv_len=padded_kv_len, spans=spans)
-    return (s if seen is None else jnp.where(seen, s, -jnp.inf)), t
 
 
 def _uncapped(ds, t):
     """The scores' gradient before a softcap: times 1 - tanh²."""
     return ds if t is None else ds * (1.0 - t * t)
-
-
-def _row_spans(spans_ref):
-    return None if spans_ref is None else (spans_ref[:, 0:1], spans_ref[:, 1:2])
 
 
 # ---------------------------------------------------------------------------
@@ -104,7 +89,6 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
     batch, kv_heads, sp, e = k_hbm.shape
     lp, ev = q_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
-    bkc = block_k_compute or bk
     nq = lp // bq
     grid = (batch, kv_heads, sp // bk, group * nq)
     if spans:
@@ -140,16 +124,16 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
             def _():
                 dq_vmem[...] = jnp.zeros_like(dq_vmem)
 
-        def sub_step(c, carry):
-            """Keys c·bkc .. (c+1)·bkc of the key block against the query block."""
-            cols = pl.ds(c * bkc if isinstance(c, int) else pl.multiple_of(c * bkc, bkc), bkc)
-            k_start = j * bk + c * bkc
+        def sub_step(cols, offset):
+            """Keys `cols` of the key block against the query block."""
+            k_start = j * bk + offset
             q, do, k = q_ref[...], do_ref[...], k_ref[cols, :]
-            s, cap = _masked_scores(q, k, None if mask_ref is None else mask_ref[:, cols],
-                                    scale=scale, q_start=i * bq, k_start=k_start, causal=causal,
-                                    kv_len=kv_len, padded_kv_len=sp, contract=(1, 1),
-                                    softcap=softcap, spans=_row_spans(spans_ref))
-            p = jnp.exp(s - lse_ref[...])  # (bq, bkc); 0 where lse is +inf
+            s, cap = blocks_.masked_scores(
+                q, k, None if mask_ref is None else mask_ref[:, cols], scale=scale,
+                q_start=i * bq, k_start=k_start, causal=causal, kv_len=kv_len,
+                padded_kv_len=sp, contract=(1, 1), softcap=softcap,
+                spans=blocks_.row_spans(spans_ref))
+            p = jnp.exp(s - lse_ref[...])  # 0 where lse is +inf
             dp = dot(do, v_ref[cols, :], (1, 1))
             z = attention_dropout.block_factors(None if keys_ref is None else keys_ref[...],
                                                 k_start, p.shape, dropout_p)
@@ -160,13 +144,9 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
             if fused:
                 rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
                 dq_vmem[t // nq, rows, :] += scale * dot(ds, k, (1, 0))
-            return carry
 
         def update():
-            if bkc == bk:
-                sub_step(0, None)
-            else:  # a loop, as the forward's
-                jax.lax.fori_loop(0, bk // bkc, sub_step, None, unroll=True)
+            blocks_.over_key_sub_steps(bk, block_k_compute, sub_step)
 
         if spans:
             pl.when(table[0, j] + t % nq < table[1, j])(update)
@@ -250,10 +230,11 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
 
         def update():
             k = k_ref[...]
-            s, cap = _masked_scores(q_ref[...], k, None if mask_ref is None else mask_ref[...],
-                                    scale=scale, q_start=i * bq, k_start=kj * bk, causal=causal,
-                                    kv_len=kv_len, padded_kv_len=sp, contract=(1, 1),
-                                    softcap=softcap, spans=_row_spans(spans_ref))
+            s, cap = blocks_.masked_scores(
+                q_ref[...], k, None if mask_ref is None else mask_ref[...], scale=scale,
+                q_start=i * bq, k_start=kj * bk, causal=causal, kv_len=kv_len,
+                padded_kv_len=sp, contract=(1, 1), softcap=softcap,
+                spans=blocks_.row_spans(spans_ref))
             p = jnp.exp(s - lse_ref[...])
             dp = dot(do_ref[...], v_ref[...], (1, 1))
             z = attention_dropout.block_factors(None if keys_ref is None else keys_ref[...],
@@ -311,46 +292,40 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *,
                        dropout_p, softcap, config, interpret, num_cores):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     lay, bq, bk = blocks_.pipelined_layout(dims, config)
-    static = dict(scale=scale, causal=causal, kv_len=dims.kv_len, group=dims.group,
-                  block_q=bq, block_k=bk, num_cores=num_cores, **dropout_param(dropout_p),
-                  **softcap_param(softcap))
-    dkdv_static = dict(block_k_compute=blocks_.compute_block(config, bk))
-    dkdv_scratch = dict(dk_vmem=pltpu.VMEM((bk, lay.e), jnp.float32),
-                        dv_vmem=pltpu.VMEM((bk, lay.ev), jnp.float32))
-    dq_scratch = dict(dq_vmem=pltpu.VMEM((bq, lay.e), jnp.float32))
     fused = (0 < fused_dq_bytes(lay, dims.group, q.dtype) <= config.fused_dq_bytes
              and (dims.batch * dims.kv_heads) % num_cores == 0)
-    dkdv_tables = dq_tables = ()
+    static = dict(scale=scale, causal=causal, kv_len=dims.kv_len, group=dims.group,
+                  block_q=bq, block_k=bk, num_cores=num_cores, **dropout_param(dropout_p),
+                  **softcap_param(softcap), **({"spans": True} if spans is not None else {}))
+    dkdv_scratch = dict(dk_vmem=pltpu.VMEM((bk, lay.e), jnp.float32),
+                        dv_vmem=pltpu.VMEM((bk, lay.ev), jnp.float32))
+    dkdv_out = (lay.kv_type(lay.e, q.dtype), lay.kv_type(lay.ev, q.dtype))
+    if fused:
+        dkdv_scratch["dq_vmem"] = pltpu.VMEM((dims.group, lay.lp, lay.e), jnp.float32)
+        dkdv_out = (lay.row_type(lay.e, q.dtype), *dkdv_out)
+    dkdv_tables = ()
     if spans is not None:
-        static["spans"] = True
         spans = blocks_.edge_padded(spans, lay.lp)
         by_key = blocks_.span_blocks(blocks_.edge_padded(key_spans, lay.sp), bk, bq)
         dkdv_tables = (spans, by_key)
-        dq_tables = (spans, blocks_.span_blocks(spans, bq, bk))
         dkdv_scratch["table"] = pltpu.SMEM(by_key.shape, jnp.int32)
-        dq_scratch["table"] = pltpu.SMEM(dq_tables[1].shape, jnp.int32)
-    mesh = tensorcore_mesh(num_cores)
-    params = chip.compiler_params(config.vmem_limit)
-    kv_types = (lay.kv_type(lay.e, q.dtype), lay.kv_type(lay.ev, q.dtype))
+    run = functools.partial(pl.kernel, mesh=tensorcore_mesh(num_cores), interpret=interpret,
+                            compiler_params=chip.compiler_params(config.vmem_limit))
+    dkdv = run(functools.partial(dkdv_kernel, **static,
+                                 block_k_compute=blocks_.compute_block(config, bk)),
+               out_type=dkdv_out, scratch_types=dkdv_scratch)
+    grads = dkdv(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dkdv_tables))
     if fused:
-        dkdv_scratch["dq_vmem"] = pltpu.VMEM((dims.group, lay.lp, lay.e), jnp.float32)
-        dq, dk, dv = pl.kernel(
-            functools.partial(dkdv_kernel, **static, **dkdv_static),
-            out_type=(lay.row_type(lay.e, q.dtype), *kv_types),
-            mesh=mesh, scratch_types=dkdv_scratch, compiler_params=params, interpret=interpret,
-        )(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dkdv_tables))
-        return _results(lay, dq, dk, dv)
-    dk, dv = pl.kernel(
-        functools.partial(dkdv_kernel, **static, **dkdv_static),
-        out_type=kv_types,
-        mesh=mesh, scratch_types=dkdv_scratch, compiler_params=params, interpret=interpret,
-    )(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dkdv_tables))
-    dq = pl.kernel(
-        functools.partial(dq_kernel, **static),
-        out_type=lay.row_type(lay.e, q.dtype),
-        mesh=mesh, scratch_types=dq_scratch, compiler_params=params, interpret=interpret,
-    )(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dq_tables))
-    return _results(lay, dq, dk, dv)
+        return _results(lay, *grads)
+    dq_scratch = dict(dq_vmem=pltpu.VMEM((bq, lay.e), jnp.float32))
+    dq_tables = ()
+    if spans is not None:
+        dq_tables = (spans, blocks_.span_blocks(spans, bq, bk))
+        dq_scratch["table"] = pltpu.SMEM(dq_tables[1].shape, jnp.int32)
+    dq_only = run(functools.partial(dq_kernel, **static),
+                  out_type=lay.row_type(lay.e, q.dtype), scratch_types=dq_scratch)
+    dq = dq_only(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dq_tables))
+    return _results(lay, dq, *grads)
 
 
 def _operands(lay, q, k, v, do, lse, delta, mask, keys, tables=()) -> list:
@@ -399,10 +374,11 @@ def batched_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, block
                 mb = heads[0] if mask_hbm.shape[0] > 1 else slice(None)
                 mh = heads[1] if mask_hbm.shape[1] > 1 else slice(None)
                 mask = mask_hbm[mb, mh, :, pl.ds(qi * bq, bq), pl.ds(c0, n)]
-            s, cap = _masked_scores(q, k, mask, scale=scale, q_start=qi * bq, k_start=c0,
-                                    causal=causal, kv_len=kv_len, padded_kv_len=sp,
-                                    contract=(4, 3), batch_dims=2, softcap=softcap,
-                                    spans=row_spans)  # (bb, bh, G, bq, n)
+            s, cap = blocks_.masked_scores(q, k, mask, scale=scale, q_start=qi * bq,
+                                           k_start=c0, causal=causal, kv_len=kv_len,
+                                           padded_kv_len=sp, contract=(4, 3), batch_dims=2,
+                                           softcap=softcap,
+                                           spans=row_spans)  # (bb, bh, G, bq, n)
             p = jnp.exp(s - lse[..., None])
             dp = dot(do, v, (4, 3), batch_dims=2)
             z = attention_dropout.block_factors(row_keys, c0, p.shape, dropout_p)

@@ -81,6 +81,14 @@ traced before they existed):
   than w keys (a sliding window's left + right + 1); a hint the kernels may
   choose their blocks by (the batched TPU body takes a window's band in one
   slab), never a promise they rely on for correctness.
+- `window=(left, right)` among the params, with spans: the spans are
+  exactly a sliding window's, aligned top-left: row i's are
+  [max(i - left, 0), min(i + right + 1, S)) clipped to [0, S] (-1: that
+  side unbounded, 0 or S), a promise the op layer keeps (it builds the
+  spans from the same window). The kernels may take the rule from the
+  indices instead of reading each row's span (the pipelined TPU kernels
+  do: two comparisons with iotas, and only as many key or query blocks a
+  step as the window reaches); the others read the spans.
 - `softcap=c` (c > 0) among the params: scores are capped before masking,
   s = c * tanh(scale * q.kᵀ / c) + mask (Gemma 2's logit softcapping). The
   backward multiplies the scores' gradient by 1 - tanh², computed from the

@@ -241,10 +241,11 @@ def attention_implementation(query, key, value, attn_mask=None, dropout_p=0.0,
 # --- the forward op --------------------------------------------------------
 
 def kernel_params(scale: float, is_causal: bool, dropout_p: float = 0.0, spans: bool = False,
-                  softcap: float = 0.0, span_width: int = 0) -> dict:
-    """The kernels' static parameters; `dropout_p`, `spans`, `softcap` and
-    `span_width` only when used, so that a call without them is the same
-    kernel as ever."""
+                  softcap: float = 0.0, span_width: int = 0,
+                  window: tuple[int, int] | None = None) -> dict:
+    """The kernels' static parameters; `dropout_p`, `spans`, `softcap`,
+    `span_width` and `window` (span_window's) only when used, so that a call
+    without them is the same kernel as ever."""
     params = {"scale": float(scale), "causal": bool(is_causal)}
     if dropout_p > 0:
         params["dropout_p"] = float(dropout_p)
@@ -252,6 +253,8 @@ def kernel_params(scale: float, is_causal: bool, dropout_p: float = 0.0, spans: 
         params["spans"] = True
         if span_width > 0:
             params["span_width"] = int(span_width)
+        if window is not None:
+            params["window"] = (int(window[0]), int(window[1]))
     if softcap > 0:
         params["softcap"] = float(softcap)
     return params
@@ -286,6 +289,15 @@ def span_rule(is_causal: bool, window_left: int, window_right: int,
     if window_left < 0 and window_right == 0:  # plain causal: no spans needed
         return None, window_left, window_right, True
     return "window", window_left, window_right, False
+
+
+def span_window(is_causal: bool, window_left: int, window_right: int,
+                packed: bool) -> tuple[int, int] | None:
+    """The window (left, right) a call's spans are exactly, where they are a
+    window's (span_rule's "window"), for the kernels to mask by from the
+    indices; None otherwise."""
+    which, left, right, _ = span_rule(is_causal, window_left, window_right, packed)
+    return (left, right) if which == "window" else None
 
 
 def _spans(q, k, is_causal, window_left, window_right, cu_seq_q, cu_seq_k):
@@ -425,7 +437,9 @@ def _forward_values(q, k, v, mask, scale, is_causal, dropout_p, seed, window_lef
               + dropping)
     out, lse = launch.run("attention", q.device, inputs,
                           kernel_params(scale, causal, dropout_p, spans is not None, softcap,
-                                        span_width(is_causal, window_left, window_right)))
+                                        span_width(is_causal, window_left, window_right),
+                                        span_window(is_causal, window_left, window_right,
+                                                    cu_seq_q is not None)))
     out, lse = _unpadded(out, length), _unpadded(lse, length)
     return (out, lse) if sinks is None else _with_sinks(out, lse, sinks)
 
@@ -601,7 +615,9 @@ def backward_implementation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     inputs = (q, k, v, out, grad_out, lse) + (() if mask is None else (mask,)) + tables + dropping
     dq, dk, dv = launch.run("attention_backward", q.device, inputs,
                             kernel_params(scale, causal, dropout_p, spans is not None, softcap,
-                                          span_width(is_causal, window_left, window_right)))
+                                          span_width(is_causal, window_left, window_right),
+                                          span_window(is_causal, window_left, window_right,
+                                                      cu_seq_q is not None)))
     return _unpadded(dq, length), _unpadded(dk, kv_length), _unpadded(dv, kv_length)
 
 

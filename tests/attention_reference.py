@@ -41,6 +41,7 @@ class Case:
     spans: torch.Tensor | None = None  # (L, 2) int32: each row's [start, end) of keys
     softcap: float = 0.0  # > 0: scores capped, c * tanh(s / c)
     span_width: int = 0  # > 0: the kernels' hint that no span is wider
+    window: tuple[int, int] | None = None  # the window (left, right) the spans are exactly
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -85,6 +86,8 @@ class Case:
             params["spans"] = True
             if self.span_width:
                 params["span_width"] = self.span_width
+            if self.window is not None:
+                params["window"] = self.window
         if self.softcap > 0:
             params["softcap"] = self.softcap
         return params | ({"dropout_p": self.dropout_p} if self.dropout_p > 0 else {})
@@ -104,7 +107,8 @@ def make_case(b=2, hq=4, hkv=2, l=37, s=45, e=32, ev=None, dtype=torch.float32, 
     least their sums; rows and keys past them unused), each with the window
     (default (-1, -1); causal: (left, 0)) aligned bottom-right.
     softcap > 0: capped scores. With a window bounded on both sides, the
-    case carries its width as the kernels' span_width hint."""
+    case carries its width as the kernels' span_width hint; a window
+    without sequences, itself as their `window` parameter."""
     ev = e if ev is None else ev
 
     def randn(*shape):
@@ -136,7 +140,8 @@ def make_case(b=2, hq=4, hkv=2, l=37, s=45, e=32, ev=None, dtype=torch.float32, 
     width = 0
     if window is not None and window[0] >= 0 and right >= 0:
         width = window[0] + right + 1
-    return Case(q, k, v, additive, causal, scale, dropout_p, seed, spans, softcap, width)
+    exact = (left, right) if window is not None and sequences is None else None
+    return Case(q, k, v, additive, causal, scale, dropout_p, seed, spans, softcap, width, exact)
 
 
 def reference_mask(case: Case, dtype=torch.float64) -> torch.Tensor | None:

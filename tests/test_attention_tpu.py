@@ -373,6 +373,54 @@ def test_tpu_interpret_skips_the_blocks_no_span_reaches(fused_dq_bytes):
     check("tpu_interpret", case, config=config, run_on=unreachable_blocks_poisoned(case))
 
 
+# A window's spans as its `window` parameter (attention_shapes.py): the
+# pipelined kernels mask from the indices and step through only the blocks a
+# window reaches (forward and dq: key blocks; dk/dv: query blocks of each
+# query head), fewer than all in every case bounded on both sides. Ragged L
+# != S, so the last blocks are part padding; rows past S + left see nothing;
+# a window open to the right steps through every block.
+TPU_WINDOWS = {
+    "both_sides_gqa_l_gt_s_bf16": dict(b=1, hq=2, hkv=1, l=110, s=90, e=8, window=(20, 3),
+                                       dtype=torch.bfloat16),
+    "causal_softcap_mask_dropout": dict(b=1, hq=2, hkv=1, l=50, s=61, e=8, window=(9, 0),
+                                        causal=True, softcap=2.0, mask="heads",
+                                        dropout_p=0.3, mask_dtype=torch.float32),
+    "open_right": dict(b=1, hq=1, hkv=1, l=40, s=53, e=8, window=(7, -1)),
+}
+
+
+@pytest.mark.parametrize("fused_dq_bytes", FUSED_DQ.values(), ids=FUSED_DQ.keys())
+@pytest.mark.parametrize("kw", TPU_WINDOWS.values(), ids=TPU_WINDOWS.keys())
+def test_tpu_interpret_window_race_free(kw, fused_dq_bytes):
+    case = make_case(**(two_pairs(kw) if fused_dq_bytes else kw))
+    left, right = kw["window"]
+    window = case.params["window"]
+    assert window == (left, 0 if kw.get("causal") else right)  # causal folded in
+    nq, nk = -(-kw["l"] // 16), -(-kw["s"] // 16)
+    if right >= 0:  # the window's blocks, not all of them
+        assert attention_blocks.window_reach(window, nq, 16, 16, nk) < nk
+        assert attention_blocks.window_reach(window[::-1], nk, 16, 16, nq) < nq
+    config = dataclasses.replace(TPU_SPANS, fused_dq_bytes=fused_dq_bytes)
+    check("tpu_interpret", case, config=config, detect_races=True)
+
+
+def test_window_reach():
+    """The blocks a window reaches, from query blocks (keys) and, mirrored,
+    from key blocks (query rows), against a count over every row's keys."""
+    reach = attention_blocks.window_reach
+    assert reach((1023, 0), 8, 1024, 1024, 8) == 2  # v5e's L8192 window, 1024 blocks
+    assert reach((1023, 0)[::-1], 8, 1024, 512, 16) == 4  # its dk/dv, 512-row blocks
+    assert reach((7, -1), 4, 16, 16, 4) == 4 and reach((-1, 3), 4, 16, 16, 4) == 4
+    for left, right, block, other in [(5, 0, 16, 16), (20, 3, 16, 32), (0, 0, 8, 8),
+                                      (40, 17, 32, 16)]:
+        n = 8
+        counted = max(len({key // other for row in range(b * block, b * block + block)
+                           for key in range(max(row - left, 0), row + right + 1)})
+                      for b in range(n))
+        assert reach((left, right), n, block, other, 64) >= counted, (left, right)
+        assert reach((left, right), n, block, other, 64) <= counted + 1, (left, right)
+
+
 # ---------------------------------------------------------------------------
 # Lowered for a TPU (2 TensorCores): every primitive has a Mosaic lowering
 

@@ -308,7 +308,7 @@ def attention_kernel(q_gmem, k_gmem, v_gmem, *refs, scale, causal, kv_len, group
 
 def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionConfig,
               interpret, dropout_p: float = 0.0, spans: bool = False, softcap: float = 0.0,
-              span_width: int = 0):
+              span_width: int = 0, window=None):
     """(o, lse) of softmax(scale * q kᵀ + mask) v, per kernels/attention_shapes.py:
     q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) in float16 or
     bfloat16; `optional`: [mask (Bm, Hm, L, S)][, spans (L, 2) int32][,

@@ -502,7 +502,8 @@ def dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, scal
 
 def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: bool,
                        config: BackwardConfig, interpret, dropout_p: float = 0.0,
-                       spans: bool = False, softcap: float = 0.0, span_width: int = 0):
+                       spans: bool = False, softcap: float = 0.0, span_width: int = 0,
+                       window=None):
     """(dq, dk, dv) of attention (kernels/attention_shapes.py): q (B, Hq, L,
     E), k (B, Hkv, S, E), v (B, Hkv, S, Ev), o and do (B, Hq, L, Ev), lse (B,
     Hq, L) float32 as the forward returned it; `optional`: [mask (Bm, Hm, L,

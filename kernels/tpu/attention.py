@@ -71,20 +71,27 @@ def _lanes(column, width: int):
 
 def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale, causal,
                      kv_len, group, block_k, num_cores, dropout_p=0.0, spans=False,
-                     table=None, softcap=0.0, block_k_compute=None):
+                     table=None, softcap=0.0, block_k_compute=None, window=None):
     """q_hbm (B, Hq, Lp, Ep), k_hbm (B, Hkv, Sp, Ep), v_hbm (B, Hkv, Sp, Evp),
     an optional mask (Bm, Hm, Lp, Sp), with spans the rows' spans (Lp, 2)
     and each query block's key blocks (2, Lp / bq) [first, past] (copied to
     the SMEM scratch `table`), with dropout the rows' keys (B, Hq, Lp, 1)
     int32; outputs o (B, Hq, Lp, Evp) and lse (B, Hq, Lp, 1); scratch m, l
     (bq, LANES) and acc (bq, Evp), float32. A key block's scores are made
-    `block_k_compute` keys at a time (None: all at once)."""
+    `block_k_compute` keys at a time (None: all at once). With the spans'
+    `window`, the element masks come from the indices (the rows' spans are
+    not read) and a query block steps through the most key blocks a
+    window reaches, not all of them."""
     *ins, o_hbm, lse_hbm = refs
     mask_hbm, spans_hbm, blocks_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, q_heads, lp, _ = q_hbm.shape
     sp = k_hbm.shape[2]
     bq, bk = acc_vmem.shape[0], block_k
-    grid = (batch, q_heads, lp // bq, sp // bk)
+    steps = sp // bk
+    if window is not None:
+        steps = blocks_.window_reach(window, lp // bq, bq, bk, steps)
+    grid = (batch, q_heads, lp // bq, steps)
+    row_blocks = spans and window is None  # the rows' spans, block by block
     if spans:
         pltpu.sync_copy(blocks_hbm, table)
 
@@ -98,7 +105,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
         return jnp.minimum(j, last_visible(i)) if causal else j
 
     def body(q_ref, k_ref, v_ref, *rest):
-        mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-2], spans, dropout_p)
+        mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-2], row_blocks, dropout_p)
         o_ref, lse_ref = rest[-2:]
         # Global block indices (emit_pipeline adds the core's offset).
         i, j = pl.program_id(2), pl.program_id(3)
@@ -116,7 +123,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
                 q_ref[...], k_ref[cols, :], None if mask_ref is None else mask_ref[:, cols],
                 scale=scale, q_start=i * bq, k_start=k_start, causal=causal, kv_len=kv_len,
                 padded_kv_len=sp, contract=(1, 1), softcap=softcap,
-                spans=blocks_.row_spans(spans_ref))
+                spans=blocks_.row_spans(spans_ref), window=window)
             m_old = m_vmem[...]  # (bq, LANES), every lane the same
             m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
             m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
@@ -162,7 +169,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
-    if spans:
+    if row_blocks:
         in_specs.append(pl.BlockSpec((bq, 2), lambda b, h, i, j: (i, 0)))
         operands.append(spans_hbm)
     if keys_hbm is not None:
@@ -179,7 +186,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
 
 
 def pipelined_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p, softcap,
-                        config, interpret, num_cores):
+                        config, interpret, num_cores, window=None):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     lay, bq, bk = blocks_.pipelined_layout(dims, config)
     scratch = dict(m_vmem=pltpu.VMEM((bq, blocks_.LANES), jnp.float32),
@@ -196,7 +203,8 @@ def pipelined_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p,
                           group=dims.group, num_cores=num_cores, block_k=bk,
                           block_k_compute=blocks_.compute_block(config, bk),
                           **dropout_param(dropout_p), **softcap_param(softcap),
-                          **({"spans": True} if spans is not None else {})),
+                          **({"spans": True} if spans is not None else {}),
+                          **({"window": window} if window is not None else {})),
         out_type=(lay.row_type(lay.ev, q.dtype), lay.row_type(None, jnp.float32)),
         mesh=tensorcore_mesh(num_cores),
         scratch_types=scratch,
@@ -364,14 +372,18 @@ def batched_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p, s
 
 def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionConfig,
               interpret, num_cores: int, dropout_p: float = 0.0, spans: bool = False,
-              softcap: float = 0.0, span_width: int = 0):
+              softcap: float = 0.0, span_width: int = 0, window=None):
     """(o, lse) of softmax(scale * q kᵀ + mask [+ causal]) v, per
-    kernels/attention_shapes.py; `optional`: [mask][, spans][, dropout keys]."""
+    kernels/attention_shapes.py; `optional`: [mask][, spans][, dropout keys].
+    The batched body reads a window's spans like any others."""
     extra = attention_operands(optional, {"spans": spans, "dropout_p": dropout_p})
-    run = batched_attention if config.body is Body.BATCHED else pipelined_attention
+    run = pipelined_attention
+    if config.body is Body.BATCHED:
+        run, window = batched_attention, None
     return run(q, k, v, extra.mask, extra.spans, extra.keys, scale=float(scale),
                causal=bool(causal), dropout_p=float(dropout_p), softcap=float(softcap),
-               config=config, interpret=interpret, num_cores=num_cores)
+               config=config, interpret=interpret, num_cores=num_cores,
+               **({"window": tuple(window)} if window is not None else {}))
 
 
 def _dims(avals, params):
@@ -387,7 +399,7 @@ def _masked(avals, params) -> bool:
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     if backend == "tpu":
         return blocks_.chip_config(avals[0][1], masked=_masked(avals, params),
-                                   backward=False, spans=bool(params.get("spans")),
+                                   backward=False, spans=blocks_.reads_row_spans(params),
                                    softcap=bool(params.get("softcap")))
     return blocks_.select_config(backend, _dims(avals, params), params)
 

@@ -72,7 +72,8 @@ def _uncapped(ds, t):
 
 def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem, dv_vmem,
                 scale, causal, kv_len, group, block_q, block_k, num_cores, dropout_p=0.0,
-                spans=False, table=None, softcap=0.0, dq_vmem=None, block_k_compute=None):
+                spans=False, table=None, softcap=0.0, dq_vmem=None, block_k_compute=None,
+                window=None):
     """Inputs padded: q (B, Hq, Lp, Ep), k (B, Hkv, Sp, Ep), v (B, Hkv, Sp,
     Evp), do (B, Hq, Lp, Evp), lse and delta (B, Hq, Lp, 1), optional mask
     (Bm, Hm, Lp, Sp), with spans the rows' spans (Lp, 2) and each key
@@ -80,7 +81,9 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
     with dropout the rows' keys (B, Hq, Lp, 1) int32; outputs [dq like q,
     with `dq_vmem` (G, Lp, Ep),] dk, dv like k, v; float32 accumulators. A
     key block meets a query block `block_k_compute` keys at a time (None:
-    all at once)."""
+    all at once). With the spans' `window`, as the forward: masks from the
+    indices, and for each query head the most query blocks a key block's
+    window reaches."""
     fused = dq_vmem is not None
     *ins, dk_hbm, dv_hbm = refs
     if fused:
@@ -90,7 +93,11 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
     lp, ev = q_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
     nq = lp // bq
-    grid = (batch, kv_heads, sp // bk, group * nq)
+    per_head = nq  # query blocks a key block steps through for each query head
+    if window is not None:
+        per_head = blocks_.window_reach(window[::-1], sp // bk, bk, bq, nq)
+    grid = (batch, kv_heads, sp // bk, group * per_head)
+    row_blocks = spans and window is None  # the rows' spans, block by block
     if spans:
         pltpu.sync_copy(blocks_hbm, table)
 
@@ -98,17 +105,18 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
         return jnp.minimum((j * bk) // bq, nq - 1)
 
     def q_block(j, t):
-        i = t % nq
+        i = t % per_head
         if spans:  # the i-th query block that reaches key block j
             return blocks_.reached(table, j, i)
         return jnp.maximum(i, first_visible(j)) if causal else i
 
     def q_index(b, h, j, t):
-        return (b, h * group + t // nq, q_block(j, t), 0)
+        return (b, h * group + t // per_head, q_block(j, t), 0)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         outs = 3 if fused else 2
-        mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-outs], spans, dropout_p)
+        mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-outs], row_blocks,
+                                                             dropout_p)
         dq_ref, dk_ref, dv_ref = (None, *rest[-2:]) if not fused else rest[-3:]
         # Global block indices (emit_pipeline adds the core's offset).
         j, t = pl.program_id(2), pl.program_id(3)
@@ -132,7 +140,7 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
                 q, k, None if mask_ref is None else mask_ref[:, cols], scale=scale,
                 q_start=i * bq, k_start=k_start, causal=causal, kv_len=kv_len,
                 padded_kv_len=sp, contract=(1, 1), softcap=softcap,
-                spans=blocks_.row_spans(spans_ref))
+                spans=blocks_.row_spans(spans_ref), window=window)
             p = jnp.exp(s - lse_ref[...])  # 0 where lse is +inf
             dp = dot(do, v_ref[cols, :], (1, 1))
             z = attention_dropout.block_factors(None if keys_ref is None else keys_ref[...],
@@ -143,13 +151,13 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
             dk_vmem[cols, :] += scale * dot(ds, q, (0, 0))
             if fused:
                 rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
-                dq_vmem[t // nq, rows, :] += scale * dot(ds, k, (1, 0))
+                dq_vmem[t // per_head, rows, :] += scale * dot(ds, k, (1, 0))
 
         def update():
             blocks_.over_key_sub_steps(bk, block_k_compute, sub_step)
 
         if spans:
-            pl.when(table[0, j] + t % nq < table[1, j])(update)
+            pl.when(table[0, j] + t % per_head < table[1, j])(update)
         elif causal:
             pl.when(i * bq + bq - 1 >= j * bk)(update)
         else:
@@ -175,12 +183,12 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
     operands = [q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm]
     if mask_hbm is not None:
         def mask_index(b, h, j, t):
-            qh = h * group + t // nq
+            qh = h * group + t // per_head
             return (*blocks_.mask_block_index(mask_hbm.shape, b, qh), q_block(j, t), j)
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
-    if spans:
+    if row_blocks:
         in_specs.append(pl.BlockSpec((bq, 2), lambda b, h, j, t: (q_block(j, t), 0)))
         operands.append(spans_hbm)
     if keys_hbm is not None:
@@ -199,15 +207,20 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
 
 def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, scale, causal,
               kv_len, group, block_q, block_k, num_cores, dropout_p=0.0, spans=False,
-              table=None, softcap=0.0):
+              table=None, softcap=0.0, window=None):
     """Inputs as dkdv_kernel's, the span table each query block's key
-    blocks (2, Lp / bq); output dq like q; a float32 accumulator."""
+    blocks (2, Lp / bq); output dq like q; a float32 accumulator. The
+    spans' `window` as in the forward."""
     *ins, dq_hbm = refs
     mask_hbm, spans_hbm, blocks_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, q_heads, lp, e = q_hbm.shape
     sp, ev = k_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
-    grid = (batch, q_heads, lp // bq, sp // bk)
+    steps = sp // bk
+    if window is not None:
+        steps = blocks_.window_reach(window, lp // bq, bq, bk, steps)
+    grid = (batch, q_heads, lp // bq, steps)
+    row_blocks = spans and window is None
     if spans:
         pltpu.sync_copy(blocks_hbm, table)
 
@@ -218,7 +231,7 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
         return jnp.minimum(j, jnp.minimum((i * bq + bq - 1) // bk, grid[3] - 1)) if causal else j
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
-        mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-1], spans, dropout_p)
+        mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-1], row_blocks, dropout_p)
         dq_ref = rest[-1]
         # Global block indices (emit_pipeline adds the core's offset).
         i, j = pl.program_id(2), pl.program_id(3)
@@ -234,7 +247,7 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
                 q_ref[...], k, None if mask_ref is None else mask_ref[...], scale=scale,
                 q_start=i * bq, k_start=kj * bk, causal=causal, kv_len=kv_len,
                 padded_kv_len=sp, contract=(1, 1), softcap=softcap,
-                spans=blocks_.row_spans(spans_ref))
+                spans=blocks_.row_spans(spans_ref), window=window)
             p = jnp.exp(s - lse_ref[...])
             dp = dot(do_ref[...], v_ref[...], (1, 1))
             z = attention_dropout.block_factors(None if keys_ref is None else keys_ref[...],
@@ -270,7 +283,7 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
-    if spans:
+    if row_blocks:
         in_specs.append(pl.BlockSpec((bq, 2), lambda b, h, i, j: (i, 0)))
         operands.append(spans_hbm)
     if keys_hbm is not None:
@@ -289,14 +302,15 @@ def fused_dq_bytes(lay, group: int, dtype) -> int:
 
 
 def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *, scale, causal,
-                       dropout_p, softcap, config, interpret, num_cores):
+                       dropout_p, softcap, config, interpret, num_cores, window=None):
     dims = attention_dims(q.shape, k.shape, v.shape, None if mask is None else mask.shape)
     lay, bq, bk = blocks_.pipelined_layout(dims, config)
     fused = (0 < fused_dq_bytes(lay, dims.group, q.dtype) <= config.fused_dq_bytes
              and (dims.batch * dims.kv_heads) % num_cores == 0)
     static = dict(scale=scale, causal=causal, kv_len=dims.kv_len, group=dims.group,
                   block_q=bq, block_k=bk, num_cores=num_cores, **dropout_param(dropout_p),
-                  **softcap_param(softcap), **({"spans": True} if spans is not None else {}))
+                  **softcap_param(softcap), **({"spans": True} if spans is not None else {}),
+                  **({"window": window} if window is not None else {}))
     dkdv_scratch = dict(dk_vmem=pltpu.VMEM((bk, lay.e), jnp.float32),
                         dv_vmem=pltpu.VMEM((bk, lay.ev), jnp.float32))
     dkdv_out = (lay.kv_type(lay.e, q.dtype), lay.kv_type(lay.ev, q.dtype))
@@ -490,18 +504,22 @@ def batched_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *, s
 def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: bool,
                        config: AttentionConfig, interpret, num_cores: int,
                        dropout_p: float = 0.0, spans: bool = False, softcap: float = 0.0,
-                       span_width: int = 0):
+                       span_width: int = 0, window=None):
     """(dq, dk, dv) of the forward's o = attention(q, k, v, mask) given do,
     per kernels/attention_shapes.py; `o` and `lse` are what the forward
-    returned; `optional`: [mask][, spans, key_spans][, dropout keys]."""
+    returned; `optional`: [mask][, spans, key_spans][, dropout keys]. The
+    batched body reads a window's spans like any others."""
     extra = attention_operands(optional, {"spans": spans, "dropout_p": dropout_p},
                                backward=True)
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
-    run = batched_backward if config.body is Body.BATCHED else pipelined_backward
+    run = pipelined_backward
+    if config.body is Body.BATCHED:
+        run, window = batched_backward, None
     return run(q, k, v, do, lse.astype(jnp.float32), delta, extra.mask, extra.spans,
                extra.key_spans, extra.keys, scale=float(scale), causal=bool(causal),
                dropout_p=float(dropout_p), softcap=float(softcap), config=config,
-               interpret=interpret, num_cores=num_cores)
+               interpret=interpret, num_cores=num_cores,
+               **({"window": tuple(window)} if window is not None else {}))
 
 
 def _masked(avals, params) -> bool:
@@ -512,7 +530,7 @@ def _masked(avals, params) -> bool:
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     if backend == "tpu":
         return blocks_.chip_config(avals[0][1], masked=_masked(avals, params),
-                                   backward=True, spans=bool(params.get("spans")),
+                                   backward=True, spans=blocks_.reads_row_spans(params),
                                    softcap=bool(params.get("softcap")), device=device)
     return blocks_.select_config(backend, _dims(avals, params), params, backward=True)
 

@@ -267,39 +267,73 @@ def pipelined_block(n: int, block: int, multiple: int) -> int:
 
 
 def visible(q_start, k_start, shape, *, causal: bool, kv_len: int, padded_kv_len: int,
-            spans=None):
+            spans=None, window=None):
     """Which scores of a block starting at query row `q_start` and key
     `k_start` may be nonzero: keys inside the true sequence (the padding is
     masked out), with `causal` only keys at or before the query, with
     `spans` (the block's rows' (start, end) columns, each (rows, 1)) only
-    keys in start <= key < end. None when every score is visible. `shape`
-    ends with (rows, keys); the result broadcasts against it."""
+    keys in start <= key < end, with `window` (left, right; the spans'
+    rule, attention_shapes.py) only keys within left before and right after
+    the row (-1: unbounded), from the indices alone. None when every score
+    is visible. `shape` ends with (rows, keys); the result broadcasts
+    against it."""
     rows, keys = shape[-2:]
     lead = (1,) * (len(shape) - 2)
     cond = None
+
+    def both(seen):
+        return seen if cond is None else cond & seen
+
     key = k_start + jax.lax.broadcasted_iota(jnp.int32, (*lead, 1, keys), len(shape) - 1)
-    if padded_kv_len > kv_len and spans is None:  # spans end at kv_len anyway
-        cond = key < kv_len
-    if causal:
+    if causal or window is not None:
         row = q_start + jax.lax.broadcasted_iota(jnp.int32, (*lead, rows, 1), len(shape) - 2)
-        seen = key <= row
-        cond = seen if cond is None else cond & seen
-    if spans is not None:
+    if padded_kv_len > kv_len and (spans is None or window is not None):
+        cond = key < kv_len  # spans end at kv_len anyway
+    if causal:
+        cond = both(key <= row)
+    if window is not None:
+        # Two comparisons with iotas: Mosaic makes them in place, where the
+        # spans' columns are broadcast across lanes (the v5e forward's key
+        # block 4788 bundles instead of 7945, causal's 4708; docs/tpu.md).
+        left, right = window
+        if left >= 0:
+            cond = both(key >= row - left)
+        if right >= 0:
+            cond = both(key <= row + right)
+    elif spans is not None:
         start, end = spans
-        seen = (key >= start) & (key < end)
-        cond = seen if cond is None else cond & seen
+        cond = both((key >= start) & (key < end))
     return cond
 
 
 def masked_scores(q, k, mask, *, scale, q_start, k_start, causal, kv_len, padded_kv_len,
-                  contract, batch_dims=0, softcap=0.0, spans=None):
+                  contract, batch_dims=0, softcap=0.0, spans=None, window=None):
     """(the scores of a block, masked, and the tanh of a softcap, or None)."""
     s, t = capped(dot(q, k, contract, batch_dims) * scale, softcap)
     if mask is not None:
         s = s + mask.astype(jnp.float32)
     seen = visible(q_start, k_start, s.shape, causal=causal, kv_len=kv_len,
-                   padded_kv_len=padded_kv_len, spans=spans)
+                   padded_kv_len=padded_kv_len, spans=spans, window=window)
     return (s if seen is None else jnp.where(seen, s, -jnp.inf)), t
+
+
+def window_reach(window, blocks: int, block: int, other_block: int, others: int) -> int:
+    """The most blocks of `other_block` (of `others`) that one of the
+    `blocks` blocks of `block` reaches under `window` (left, right) from
+    it: keys for query blocks; for key blocks, query rows, the window
+    mirrored (right, left). Every block where a side is unbounded."""
+    left, right = window
+    if left < 0 or right < 0:
+        return others
+    most = max((b * block + block - 1 + right) // other_block - (b * block - left) // other_block
+               for b in range(blocks)) + 1
+    return min(most, others)
+
+
+def reads_row_spans(params) -> bool:
+    """Whether the pipelined kernels read the rows' spans block by block
+    (spans, not a window's: those come from the indices)."""
+    return bool(params.get("spans")) and "window" not in params
 
 
 def row_spans(spans_ref):

@@ -454,7 +454,7 @@ def check_spans(name: str, spans, rows: int, what: str = "spans") -> None:
 
 def attention(q, k, v, *optional, scale: float, causal: bool, config: AttentionConfig,
               wrap=direct, dropout_p: float = 0.0, spans: bool = False, softcap: float = 0.0,
-              span_width: int = 0):
+              span_width: int = 0, window=None):
     """(o, lse) of the canonical attention call (kernels/attention_shapes.py)
     for torch tensors in any layout: o (B, Hq, L, Ev) in q's dtype, lse
     (B, Hq, L) float32; `optional`: [mask][, spans][, dropout keys]."""

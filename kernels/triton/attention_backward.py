@@ -443,7 +443,8 @@ def attention_dq_kernel_autotuned(block_e: int, block_ev: int, itemsize: int):
 
 def attention_backward(q, k, v, o, do, lse, *optional, scale: float, causal: bool,
                        config: AttentionBackwardConfig, wrap=direct, dropout_p: float = 0.0,
-                       spans: bool = False, softcap: float = 0.0, span_width: int = 0):
+                       spans: bool = False, softcap: float = 0.0, span_width: int = 0,
+                       window=None):
     """(dq, dk, dv) of the canonical attention call (kernels/attention_shapes.py)
     for torch tensors in any layout, in q's dtype; dk and dv summed over the
     query heads of each kv head; `optional`: [mask][, spans, key_spans][,

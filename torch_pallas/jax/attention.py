@@ -87,7 +87,8 @@ def _tables(static: Static, q, k, cu_seq_q, cu_seq_k):
         spans = sequence_spans(cu_seq_q, cu_seq_k, q.shape[2], left, right)
     params = attention_op.kernel_params(
         static.scale, causal, 0.0, spans is not None, static.softcap,
-        attention_op.span_width(static.is_causal, static.left, static.right))
+        attention_op.span_width(static.is_causal, static.left, static.right),
+        (left, right) if which == "window" else None)
     return spans, params
 
 

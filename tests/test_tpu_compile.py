@@ -111,3 +111,22 @@ def test_builds_compile_for_tpu(op, chip, tier, record_property):
             f"{state['device_kind']} ({chip}):\n" + "\n".join(
                 f"  {b['describe']} [{b['dtype']}; {', '.join(b['cases'])}]: "
                 f"{b['results'][chip]['error']}" for b in failed), pytrace=False)
+
+
+def test_bundles_report_names_each_kernel_and_its_regions():
+    """bench/tpu_bundles.py on add's float32 examples: each build compiled,
+    and of its Pallas kernel (XLA's own programs left out) the largest
+    regions of its final bundles, largest first."""
+    import re
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "tpu_bundles.py"
+    run = subprocess.run([sys.executable, str(script), "--ops", "add", "--tier", "default",
+                          "--dtype", "float32"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    builds = re.findall(r"^add \[examples, float32\] add\(.*: ok$", run.stdout, re.M)
+    kernels = re.findall(r"^    (\S+): (\d+) \(region \d+\), (\d+) \(region \d+\)", run.stdout,
+                         re.M)
+    assert builds and len(kernels) == len(builds), run.stdout
+    for name, largest, second in kernels:
+        assert name.startswith("add") and int(largest) >= int(second) > 0, run.stdout

@@ -329,10 +329,19 @@ TPU_SUB_STEPS = AttentionConfig(Body.PIPELINED, block_q=16, block_k=256, block_k
                                 head_multiple=attention_blocks.LANES)
 
 
+# Without a mask every row sees key 0 in its first sub-step, and the
+# forward's running maxima go unguarded (never -inf); with one, a row may
+# see nothing until a later sub-step, or at all.
+SUB_STEP_CASES = {
+    "mask_dropout": dict(mask="heads", mask_dtype=torch.float32, dropout_p=0.4),
+    "unmasked": dict(),
+}
+
+
 @pytest.mark.parametrize("fused_dq_bytes", FUSED_DQ.values(), ids=FUSED_DQ.keys())
-def test_tpu_interpret_key_sub_steps(fused_dq_bytes):
-    kw = dict(b=1, hq=2, hkv=1, l=24, s=300, e=8, causal=True, mask="heads",
-              dtype=torch.bfloat16, mask_dtype=torch.float32, dropout_p=0.4)
+@pytest.mark.parametrize("extra", SUB_STEP_CASES.values(), ids=SUB_STEP_CASES.keys())
+def test_tpu_interpret_key_sub_steps(fused_dq_bytes, extra):
+    kw = dict(b=1, hq=2, hkv=1, l=24, s=300, e=8, causal=True, dtype=torch.bfloat16, **extra)
     config = dataclasses.replace(TPU_SUB_STEPS, fused_dq_bytes=fused_dq_bytes)
     case = make_case(**(two_pairs(kw) if fused_dq_bytes else kw))
     check("tpu_interpret", case, config=config, detect_races=True)
@@ -402,6 +411,22 @@ def test_tpu_interpret_window_race_free(kw, fused_dq_bytes):
         assert attention_blocks.window_reach(window[::-1], nk, 16, 16, nq) < nq
     config = dataclasses.replace(TPU_SPANS, fused_dq_bytes=fused_dq_bytes)
     check("tpu_interpret", case, config=config, detect_races=True)
+
+
+def test_chip_config_sub_steps():
+    """On a chip the forward takes a block's keys in its longer sub-steps only
+    where its running maxima need no guard (no mask, no spans, no window);
+    the backward in its own."""
+    compute = attention_blocks.CHIP_K_COMPUTE
+
+    def chosen(**kw):
+        return attention_blocks.chip_config("bfloat16", **kw).block_k_compute
+
+    assert chosen(masked=False, backward=False) == compute["forward_unguarded"]
+    for guarded in (dict(masked=True), dict(masked=False, spans=True),
+                    dict(masked=False, window=True)):
+        assert chosen(backward=False, **guarded) == compute["forward"], guarded
+    assert chosen(masked=False, backward=True) == compute["backward"]
 
 
 def test_window_reach():

@@ -92,6 +92,9 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
         steps = blocks_.window_reach(window, lp // bq, bq, bk, steps)
     grid = (batch, q_heads, lp // bq, steps)
     row_blocks = spans and window is None  # the rows' spans, block by block
+    # Without a mask or spans every row sees key 0, in its first sub-step
+    # (j = 0 is key block 0): its running maximum is never -inf.
+    every_row_sees_key_0 = mask_hbm is None and not spans
     if spans:
         pltpu.sync_copy(blocks_hbm, table)
 
@@ -126,7 +129,9 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
                 spans=blocks_.row_spans(spans_ref), window=window)
             m_old = m_vmem[...]  # (bq, LANES), every lane the same
             m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing seen yet
+            m_safe = m_new  # where a row has seen nothing yet, 0
+            if not every_row_sees_key_0:
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp(s - _lanes(m_safe, s.shape[1]))
             alpha = jnp.exp(m_old - m_safe)
             l_vmem[...] = alpha * l_vmem[...] + p.sum(axis=1, keepdims=True)
@@ -150,10 +155,13 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
 
         @pl.when(j == grid[3] - 1)
         def _():
-            l = l_vmem[...][:, :1]
-            empty = l == 0.0
-            o_ref[...] = jnp.where(empty, 0.0, acc_vmem[...] / jnp.where(empty, 1.0, l)
-                                   ).astype(o_ref.dtype)
+            # One reciprocal a row, in the lanes l is kept in: 952 bundles
+            # for v5e against 1134 dividing by a broadcast column.
+            l = l_vmem[...]  # (bq, LANES), every lane the same
+            empty = l == 0.0  # a row that saw nothing: o = 0, lse = +inf
+            inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
+            o_ref[...] = (acc_vmem[...] * _lanes(inv, acc_vmem.shape[1])).astype(o_ref.dtype)
+            l, empty = l[:, :1], empty[:, :1]
             lse_ref[...] = jnp.where(empty, jnp.inf, m_vmem[...][:, :1] + chip.log(l))
 
     e, ev = q_hbm.shape[3], v_hbm.shape[3]
@@ -400,6 +408,7 @@ def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     if backend == "tpu":
         return blocks_.chip_config(avals[0][1], masked=_masked(avals, params),
                                    backward=False, spans=blocks_.reads_row_spans(params),
+                                   window="window" in params,
                                    softcap=bool(params.get("softcap")))
     return blocks_.select_config(backend, _dims(avals, params), params)
 

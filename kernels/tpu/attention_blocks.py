@@ -96,23 +96,32 @@ CHIP_BLOCKS_HEAVIEST = (256, 512)
 # 2.027 / 3.361 (splash's best, 512 at a time: 1.505 / 2.382). Backward
 # (dq fused): all at once 2.996 / 5.030, 512 2.936 / 4.914, 256 2.973 /
 # 4.988, 128 3.408 / 5.790. A sub-step's scores are a smaller live block
-# (1024 x 256 float32: 1 MiB, not 4).
-CHIP_K_COMPUTE = {False: 256, True: 512}  # by backward
+# (1024 x 256 float32: 1 MiB, not 4). Since then the forward's rows'
+# maxima go unguarded where every row sees key 0 (no mask, no spans: no
+# compare and select of the maxima against -inf each sub-step), and its
+# block body for v5e (bench/tpu_bundles.py, which orders the sweep above
+# as the chip did) takes 4581 bundles 512 keys at a time, 4665 256 at a
+# time; guarded 4875 and 4708 (splash's 4545): not yet timed.
+CHIP_K_COMPUTE = {"forward": 256, "forward_unguarded": 512, "backward": 512}
 # The simulator's budget for the backward's fused dq (no VMEM to run out of
 # there; sized like a chip's to keep the two-kernel path for long rows).
 SIMULATED_FUSED_DQ_BYTES = chip.RAISED_VMEM_LIMIT - chip.DEFAULT_VMEM_BUDGET
 
 
 def chip_config(dtype: str, *, masked: bool, backward: bool, spans: bool = False,
-                softcap: bool = False, device=None) -> "AttentionConfig":
-    """The chip's blocks for a kernel of this load (CHIP_BLOCKS_BY_LOAD);
-    the backward's fused dq takes what VMEM the chip has beyond the blocks'
-    16 MiB (chip.vmem_limit; none where the chip is unknown)."""
+                softcap: bool = False, window: bool = False,
+                device=None) -> "AttentionConfig":
+    """The chip's blocks for a kernel of this load (CHIP_BLOCKS_BY_LOAD;
+    `spans`: the rows' spans read block by block, `window`: a window's
+    taken from the indices); the backward's fused dq takes what VMEM the
+    chip has beyond the blocks' 16 MiB (chip.vmem_limit; none where the
+    chip is unknown)."""
     load = (1 if dtype == "bfloat16" else 2) + masked + backward + spans + softcap
     block_q, block_k = CHIP_BLOCKS_BY_LOAD.get(load, CHIP_BLOCKS_HEAVIEST)
+    compute = CHIP_K_COMPUTE["backward" if backward else
+                             "forward" if masked or spans or window else "forward_unguarded"]
     config = AttentionConfig(Body.PIPELINED, block_q=block_q, block_k=block_k,
-                             head_multiple=LANES,
-                             block_k_compute=CHIP_K_COMPUTE[backward])
+                             head_multiple=LANES, block_k_compute=compute)
     limit = chip.vmem_limit(device)
     if backward and limit > chip.DEFAULT_VMEM_BUDGET:
         config = dataclasses.replace(config, vmem_limit=limit,

@@ -76,13 +76,13 @@ def unsupported(backend: str, avals, params) -> str | None:
 # sweep, 2026-12-06): 512 x 512 2.10 + 3.21 / 3.60 + 5.68; 1024 x 512 1.72 +
 # 3.13 / 2.83 + 5.30; 512 x 1024 1.85 + 3.11 / 3.00 + 5.29; 1024 x 1024 1.52
 # + 3.00 / 2.47 + 5.02; 2048 x 1024 1.56 + 3.55 / 2.37 + 5.62 (splash
-# attention at its best blocks: 1.505 / 2.382 forward, 4.378 / 7.481 both).
-CHIP_BLOCK_Q = 1024
-CHIP_BLOCK_K = 1024
-# Smaller blocks where a kernel holds more in VMEM (Mosaic's 16 MiB): by its
-# load, 1 for 16-bit operands (2 for float32, float16 included: it runs as
-# float32 on the chip), 1 more for each of a mask, key spans (a window,
-# packed sequences), a softcap and the backward. Measured on v5e (compile):
+# attention at its best blocks: 1.505 / 2.382 forward, 4.378 / 7.481 both):
+# 1024 x 1024 for the lightest kernels, smaller blocks where a kernel holds
+# more in VMEM (Mosaic's 16 MiB): by its load, 1 for 16-bit operands (2 for
+# float32, float16 included: it runs as float32 on the chip), 1 more for
+# each of a mask, the rows' spans read block by block (packed sequences; a
+# window's come from the indices), a softcap and the backward. Measured on
+# v5e (compile):
 # 1024 x 1024 fits a load of 2 (bfloat16 backward, float32 or masked
 # bfloat16 forward) and overflows at 3 (17-19 MiB), 512 x 1024 fits 3
 # (float32 backward) and overflows at 4, 512 x 512 fits 4 (masked float32
@@ -160,11 +160,11 @@ class AttentionConfig:
 
     @classmethod
     def default(cls, backend: str) -> "AttentionConfig":
+        """The batched body on `interpret`; otherwise the simulator's blocks
+        (a chip's come from chip_config, by the kernel's load and the chip's
+        VMEM)."""
         if backend == "interpret":
             return cls(Body.BATCHED, None, None)
-        if backend == "tpu":  # the chip: blocks large enough to keep the MXU busy
-            return cls(Body.PIPELINED, block_q=CHIP_BLOCK_Q, block_k=CHIP_BLOCK_K,
-                       head_multiple=LANES)
         # the simulator: small blocks, quick to simulate, many of them; dq
         # fused as on a chip with VMEM to spare
         return cls(Body.PIPELINED, block_q=128, block_k=128, head_multiple=LANES,

@@ -129,9 +129,8 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
                 spans=blocks_.row_spans(spans_ref), window=window)
             m_old = m_vmem[...]  # (bq, LANES), every lane the same
             m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
-            m_safe = m_new  # where a row has seen nothing yet, 0
-            if not every_row_sees_key_0:
-                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            # -inf where a row has seen nothing yet (then 0, for the exps)
+            m_safe = m_new if every_row_sees_key_0 else jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp(s - _lanes(m_safe, s.shape[1]))
             alpha = jnp.exp(m_old - m_safe)
             l_vmem[...] = alpha * l_vmem[...] + p.sum(axis=1, keepdims=True)

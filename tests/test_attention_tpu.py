@@ -419,14 +419,15 @@ def test_chip_config_sub_steps():
     the backward in its own."""
     compute = attention_blocks.CHIP_K_COMPUTE
 
-    def chosen(**kw):
-        return attention_blocks.chip_config("bfloat16", **kw).block_k_compute
+    def chosen(params, masked=False, backward=False):
+        return attention_blocks.chip_config("bfloat16", {"scale": 0.1, "causal": True, **params},
+                                            masked=masked, backward=backward).block_k_compute
 
-    assert chosen(masked=False, backward=False) == compute["forward_unguarded"]
-    for guarded in (dict(masked=True), dict(masked=False, spans=True),
-                    dict(masked=False, window=True)):
-        assert chosen(backward=False, **guarded) == compute["forward"], guarded
-    assert chosen(masked=False, backward=True) == compute["backward"]
+    assert chosen({}) == chosen({"softcap": 3.0}) == compute["forward_unguarded"]
+    for params, masked in (({}, True), ({"spans": True}, False),
+                           ({"spans": True, "window": (7, 0)}, False)):
+        assert chosen(params, masked) == compute["forward"], (params, masked)
+    assert chosen({}, backward=True) == compute["backward"]
 
 
 def test_window_reach():

@@ -405,10 +405,8 @@ def _masked(avals, params) -> bool:
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     if backend == "tpu":
-        return blocks_.chip_config(avals[0][1], masked=_masked(avals, params),
-                                   backward=False, spans=blocks_.reads_row_spans(params),
-                                   window="window" in params,
-                                   softcap=bool(params.get("softcap")))
+        return blocks_.chip_config(avals[0][1], params, masked=_masked(avals, params),
+                                   backward=False)
     return blocks_.select_config(backend, _dims(avals, params), params)
 
 

@@ -529,10 +529,8 @@ def _masked(avals, params) -> bool:
 
 def select_config(backend: str, avals, params, device=None) -> AttentionConfig:
     if backend == "tpu":
-        return blocks_.chip_config(avals[0][1], masked=_masked(avals, params),
-                                   backward=True, spans=blocks_.reads_row_spans(params),
-                                   window="window" in params,
-                                   softcap=bool(params.get("softcap")), device=device)
+        return blocks_.chip_config(avals[0][1], params, masked=_masked(avals, params),
+                                   backward=True, device=device)
     return blocks_.select_config(backend, _dims(avals, params), params, backward=True)
 
 

@@ -108,18 +108,20 @@ CHIP_K_COMPUTE = {"forward": 256, "forward_unguarded": 512, "backward": 512}
 SIMULATED_FUSED_DQ_BYTES = chip.RAISED_VMEM_LIMIT - chip.DEFAULT_VMEM_BUDGET
 
 
-def chip_config(dtype: str, *, masked: bool, backward: bool, spans: bool = False,
-                softcap: bool = False, window: bool = False,
+def chip_config(dtype: str, params, *, masked: bool, backward: bool,
                 device=None) -> "AttentionConfig":
-    """The chip's blocks for a kernel of this load (CHIP_BLOCKS_BY_LOAD;
-    `spans`: the rows' spans read block by block, `window`: a window's
-    taken from the indices); the backward's fused dq takes what VMEM the
-    chip has beyond the blocks' 16 MiB (chip.vmem_limit; none where the
-    chip is unknown)."""
-    load = (1 if dtype == "bfloat16" else 2) + masked + backward + spans + softcap
+    """The chip's blocks for a kernel of this load (CHIP_BLOCKS_BY_LOAD), by
+    its kernel parameters (`params`: the rows' spans read block by block
+    unless they are a window's, which come from the indices; a softcap);
+    the backward's fused dq takes what VMEM the chip has beyond the blocks'
+    16 MiB (chip.vmem_limit; none where the chip is unknown)."""
+    spans = bool(params.get("spans"))
+    row_spans = spans and "window" not in params
+    load = ((1 if dtype == "bfloat16" else 2) + masked + backward + row_spans
+            + bool(params.get("softcap")))
     block_q, block_k = CHIP_BLOCKS_BY_LOAD.get(load, CHIP_BLOCKS_HEAVIEST)
     compute = CHIP_K_COMPUTE["backward" if backward else
-                             "forward" if masked or spans or window else "forward_unguarded"]
+                             "forward" if masked or spans else "forward_unguarded"]
     config = AttentionConfig(Body.PIPELINED, block_q=block_q, block_k=block_k,
                              head_multiple=LANES, block_k_compute=compute)
     limit = chip.vmem_limit(device)
@@ -337,12 +339,6 @@ def window_reach(window, blocks: int, block: int, other_block: int, others: int)
     most = max((b * block + block - 1 + right) // other_block - (b * block - left) // other_block
                for b in range(blocks)) + 1
     return min(most, others)
-
-
-def reads_row_spans(params) -> bool:
-    """Whether the pipelined kernels read the rows' spans block by block
-    (spans, not a window's: those come from the indices)."""
-    return bool(params.get("spans")) and "window" not in params
 
 
 def row_spans(spans_ref):

@@ -87,10 +87,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
     batch, q_heads, lp, _ = q_hbm.shape
     sp = k_hbm.shape[2]
     bq, bk = acc_vmem.shape[0], block_k
-    steps = sp // bk
-    if window is not None:
-        steps = blocks_.window_reach(window, lp // bq, bq, bk, steps)
-    grid = (batch, q_heads, lp // bq, steps)
+    grid = (batch, q_heads, lp // bq, blocks_.window_reach(window, lp // bq, bq, bk, sp // bk))
     row_blocks = spans and window is None  # the rows' spans, block by block
     # Without a mask or spans every row sees key 0, in its first sub-step
     # (j = 0 is key block 0): its running maximum is never -inf.

@@ -93,9 +93,8 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
     lp, ev = q_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
     nq = lp // bq
-    per_head = nq  # query blocks a key block steps through for each query head
-    if window is not None:
-        per_head = blocks_.window_reach(window[::-1], sp // bk, bk, bq, nq)
+    # query blocks a key block steps through for each query head
+    per_head = blocks_.window_reach(window and window[::-1], sp // bk, bk, bq, nq)
     grid = (batch, kv_heads, sp // bk, group * per_head)
     row_blocks = spans and window is None  # the rows' spans, block by block
     if spans:
@@ -216,10 +215,7 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
     batch, q_heads, lp, e = q_hbm.shape
     sp, ev = k_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
-    steps = sp // bk
-    if window is not None:
-        steps = blocks_.window_reach(window, lp // bq, bq, bk, steps)
-    grid = (batch, q_heads, lp // bq, steps)
+    grid = (batch, q_heads, lp // bq, blocks_.window_reach(window, lp // bq, bq, bk, sp // bk))
     row_blocks = spans and window is None
     if spans:
         pltpu.sync_copy(blocks_hbm, table)

@@ -332,7 +332,10 @@ def window_reach(window, blocks: int, block: int, other_block: int, others: int)
     """The most blocks of `other_block` (of `others`) that one of the
     `blocks` blocks of `block` reaches under `window` (left, right) from
     it: keys for query blocks; for key blocks, query rows, the window
-    mirrored (right, left). Every block where a side is unbounded."""
+    mirrored (right, left). Every block without a window or where a side is
+    unbounded."""
+    if window is None:
+        return others
     left, right = window
     if left < 0 or right < 0:
         return others

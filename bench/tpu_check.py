@@ -673,8 +673,9 @@ def table() -> str:
         if "case" not in r:  # sweeps and bound diagnostics: in the JSON
             continue
         rate = next((f"{r[u]:.1f} {u}" for u in ("TFLOP/s", "GB/s") if u in r), "")
-        refs = "; ".join(f"{n}: {v['ms']:.3f} ms, {v['ratio']:.2f}x" for n, v in
-                         r["references"].items() if v["ms"] is not None)
+        refs = "; ".join(f"{n}: {v['ms']:.3f} ms" + ("" if v["ratio"] is None else
+                                                      f", {v['ratio']:.2f}x")
+                         for n, v in r["references"].items() if v["ms"] is not None)
         ours_ms = "-" if r["ours_ms"] is None else f"{r['ours_ms']:.3f} ms"
         lines.append(f"| {r['case']} | {ours_ms} | {rate} | {refs} | {r['goal']} |")
     return "\n".join(lines)

@@ -130,3 +130,24 @@ def test_bundles_report_names_each_kernel_and_its_regions():
     assert builds and len(kernels) == len(builds), run.stdout
     for name, largest, second in kernels:
         assert name.startswith("add") and int(largest) >= int(second) > 0, run.stdout
+
+
+@pytest.mark.parametrize("chip", [pytest.param(chip, marks=[] if chip == DEFAULT_CHIP else
+                                               [pytest.mark.exhaustive]) for chip in tpu_builds.CHIPS])
+def test_jax_programs_compile_for_tpu(chip):
+    """Kernels composed under one jit, as the JAX forms make them
+    (tests/tpu_programs.py: the chunked loss, matmul, grouped_mm and
+    attention in a scan over layers, forward and backward), compile for the
+    chip: XLA's fusions around a kernel's call must keep the VMEM it asked for."""
+    import json
+    import os
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tpu_programs.py")
+    env = {**os.environ, **tpu_builds.LIBTPU_ENV, "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, script, "--chips", chip], env=env, capture_output=True,
+                         text=True, timeout=TIMEOUT_S["default"])
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = json.loads(run.stdout)[chip]
+    assert len(results) == 4, results
+    failed = {name: error for name, error in results.items() if error != "ok"}
+    assert not failed, "\n".join(f"{name}: {error}" for name, error in failed.items())

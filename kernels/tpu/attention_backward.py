@@ -319,8 +319,8 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *,
         by_key = blocks_.span_blocks(blocks_.edge_padded(key_spans, lay.sp), bk, bq)
         dkdv_tables = (spans, by_key)
         dkdv_scratch["table"] = pltpu.SMEM(by_key.shape, jnp.int32)
-    run = functools.partial(pl.kernel, mesh=tensorcore_mesh(num_cores), interpret=interpret,
-                            compiler_params=chip.compiler_params(config.vmem_limit))
+    run = functools.partial(chip.kernel, mesh=tensorcore_mesh(num_cores), interpret=interpret,
+                            vmem_limit=config.vmem_limit)
     dkdv = run(functools.partial(dkdv_kernel, **static,
                                  block_k_compute=blocks_.compute_block(config, bk)),
                out_type=dkdv_out, scratch_types=dkdv_scratch)

@@ -15,7 +15,7 @@ loads, and its memory, from which block sizes are chosen.
   simulators keep float16 as it is.
 - Memory (`info`): the chip of a JAX device by its device kind
   (`pltpu.get_tpu_info_for_chip`), for kernels sizing their blocks to its
-  VMEM and asking Mosaic for it (`vmem_limit`, `compiler_params`).
+  VMEM and asking Mosaic for it (`vmem_limit`, `kernel`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 # JAX's device kinds of the chips, oldest first.
@@ -88,6 +89,24 @@ def compiler_params(vmem_limit_bytes: int | None):
     if vmem_limit_bytes is None:
         return None
     return pltpu.CompilerParams(vmem_limit_bytes=vmem_limit_bytes)
+
+
+def kernel(body, *, vmem_limit: int | None, **kwargs):
+    """pl.kernel(body, **kwargs) asking Mosaic for `vmem_limit` bytes of
+    scoped VMEM (None: its default), its outputs kept out of XLA's fusions
+    where it asks for a limit. In a loop that stacks its results (a
+    `lax.scan`'s outputs, as the JAX forms' chunked loss makes), XLA fuses
+    the kernel's call with the dynamic-update-slice that writes its output in
+    place and compiles that fusion under XLA's own 16 MiB of scoped VMEM, not
+    the kernel's limit: CompileTimeScopedVmemOom for blocks that need more
+    (libtpu 0.0.42, v5e: a 256 x 4096 matmul of K 131072 in 1024 x 4096
+    blocks, 22 MiB). An optimization barrier on the outputs keeps the call
+    apart; the price is one copy of each output where XLA would have written
+    it in place."""
+    call = pl.kernel(body, compiler_params=compiler_params(vmem_limit), **kwargs)
+    if vmem_limit is None:
+        return call
+    return lambda *args: jax.lax.optimization_barrier(call(*args))
 
 
 def log(x):

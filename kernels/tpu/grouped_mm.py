@@ -235,14 +235,14 @@ def pipelined(lhs, rhs, ends, bias, *, transpose_rhs, out_dtype, config, num_cor
               bounds, visits]
     if bias is not None:
         inputs.append(pad_to(bias, (groups, np_)).reshape(groups, 1, np_))
-    out = pl.kernel(
+    out = chip.kernel(
         functools.partial(pipelined_kernel, transpose_rhs=transpose_rhs, blocks=(bm, bn, bk),
                           num_cores=num_cores, has_bias=bias is not None),
         out_type=jax.ShapeDtypeStruct((mp, np_), out_dtype),
         mesh=tensorcore_mesh(num_cores),
         scratch_types=[pltpu.SMEM(bounds.shape, jnp.int32), pltpu.SMEM(visits.shape, jnp.int32),
                        pltpu.VMEM((bm, bn), jnp.float32)],
-        compiler_params=chip.compiler_params(config.vmem_limit),
+        vmem_limit=config.vmem_limit,
         interpret=interpret,
     )(*inputs)
     return out[:m, :n]

@@ -147,13 +147,13 @@ def pipelined(lhs, rhs, ends, *, out_dtype, config, num_cores, interpret):
     visits = jnp.concatenate([jnp.stack([group_of, tile_of]),
                               jnp.stack([count, count])[:, None]], axis=1)
     bounds = jnp.stack([starts(ends), ends], axis=1).astype(jnp.int32)
-    out = pl.kernel(
+    out = chip.kernel(
         functools.partial(pipelined_kernel, blocks=(bm, bk, bn), num_cores=num_cores),
         out_type=jax.ShapeDtypeStruct((groups, kp, np_), out_dtype),
         mesh=tensorcore_mesh(num_cores),
         scratch_types=[pltpu.SMEM(bounds.shape, jnp.int32), pltpu.SMEM(visits.shape, jnp.int32),
                        pltpu.VMEM((bk, bn), jnp.float32)],
-        compiler_params=chip.compiler_params(config.vmem_limit),
+        vmem_limit=config.vmem_limit,
         interpret=interpret,
     )(pad_to(lhs, (mp, kp)), pad_to(rhs, (mp, np_)), bounds, visits)
     return out[:, :k, :n]

@@ -155,7 +155,7 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
     scratch = {}
     if kp // bk > 1:
         scratch["acc_vmem"] = pltpu.VMEM((bb, bm, bn), jnp.float32)
-    out = pl.kernel(
+    out = chip.kernel(
         functools.partial(
             matmul_kernel, blocks=(bb, bm, bn, bk), transpose_a=transpose_a,
             transpose_b=transpose_b, num_cores=num_cores,
@@ -163,7 +163,7 @@ def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig,
         out_type=jax.ShapeDtypeStruct((bp, mp, np_), a.dtype),
         mesh=tensorcore_mesh(num_cores),
         scratch_types=scratch,
-        compiler_params=chip.compiler_params(config.vmem_limit),
+        vmem_limit=config.vmem_limit,
         interpret=interpret,
     )(padded(a, mp, kp, transpose_a), padded(b, kp, np_, transpose_b))
     return out[:batch, :m, :n]

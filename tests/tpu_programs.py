@@ -1,0 +1,113 @@
+"""JAX programs of several TPU kernels, as the JAX forms (torch_pallas.jax)
+make them, compiled for an abstract TPU v5e or v6e with libtpu's
+compile-only client: no chip needed.
+
+tests/tpu_builds.py compiles each kernel build alone, one `jax.jit` each.
+Under one jit XLA also fuses a kernel's call with what is around it, and
+that fusion can compile differently: in a `lax.scan` that stacks a kernel's
+outputs, XLA fused the call with the dynamic-update-slice writing its
+output and compiled the fusion under its own 16 MiB of scoped VMEM, not the
+limit the kernel asked Mosaic for (chip.kernel; libtpu 0.0.42). The
+chunked linear_cross_entropy failed so at every realistic vocabulary while
+each of its kernels compiled alone. Here: that loss, and the kernels that
+ask for a VMEM limit (matmul, grouped_mm, attention's backward) inside a
+scan over layers, forward and backward, bfloat16.
+
+    python tests/tpu_programs.py [--chips v5e,v6e]
+
+prints {chip: {program: "ok" or the error's first lines}} as JSON on stdout
+(libtpu's settings, as tests/tpu_builds.py: set before JAX starts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import tpu_builds
+
+LAYERS = 2  # a scan over stacked weights, its outputs stacked
+
+
+def _scan_layers(layer):
+    """sum over LAYERS of layer(x, weights[i]), each layer's output stacked
+    by a lax.scan, as a function of (x, weights) to differentiate."""
+    import jax
+
+    def program(x, weights):
+        _, outs = jax.lax.scan(lambda carry, w: (carry, layer(x, w)), None, weights)
+        return outs.astype("float32").sum()
+
+    return program
+
+
+def programs():
+    """name -> (function to value_and_grad in its first two arguments, its
+    arguments as (shape, dtype))."""
+    import jax.numpy as jnp
+
+    import torch_pallas.jax as tpj
+
+    bf16, i32 = jnp.bfloat16, jnp.int32
+    tokens, hidden, vocab = 4096, 4096, 32000
+    ends = jnp.asarray([300, 1100, 1500, 2300, 2301, 3000, 3700, 4096], i32)
+    return {
+        # 4 chunks of 1024 rows in a scan; d_input's product (1024 x 32000 @
+        # 32000 x 4096) in blocks of 1024 x 1024 x 3200, 29 MiB
+        f"linear_cross_entropy {tokens} tokens x {hidden}, V {vocab}": (
+            lambda x, w, t: tpj.linear_cross_entropy(x, w, t),
+            [((tokens, hidden), bf16), ((vocab, hidden), bf16), ((tokens,), i32)]),
+        f"matmul {tokens} x {hidden} x {hidden} in a scan of {LAYERS} layers": (
+            _scan_layers(tpj.matmul),
+            [((tokens, hidden), bf16), ((LAYERS, hidden, hidden), bf16)]),
+        f"grouped_mm {tokens} x {hidden} x 1792, 8 groups, in a scan of {LAYERS} layers": (
+            _scan_layers(lambda x, w: tpj.grouped_mm(x, w, ends)),
+            [((tokens, hidden), bf16), ((LAYERS, 8, hidden, 1792), bf16)]),
+        f"attention causal B1 H8 L8192 D128 in a scan of {LAYERS} layers": (
+            _scan_layers(lambda q, kv: tpj.attention(q, kv[0], kv[1], is_causal=True)),
+            [((1, 8, 8192, 128), bf16), ((LAYERS, 2, 1, 8, 8192, 128), bf16)]),
+    }
+
+
+def report(chips) -> dict:
+    import jax
+
+    from torch_pallas.jax import calls
+
+    results = {}
+    for chip in chips:
+        device = tpu_builds.abstract_device(chip)
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        results[chip] = {}
+        for name, (function, args) in programs().items():
+            shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in args]
+            grad = jax.value_and_grad(function, (0, 1))
+            try:
+                with jax.default_device(device), calls.building_for_tpu(device):
+                    jax.jit(grad).lower(*shapes).compile()
+                results[chip][name] = "ok"
+            except Exception as e:  # noqa: BLE001 (each program's error, reported)
+                results[chip][name] = f"{type(e).__name__}: {str(e)[:600]}"
+    return results
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chips", default="v5e,v6e")
+    args = parser.parse_args(argv)
+    if "jax" in sys.modules:
+        raise RuntimeError("tpu_programs: JAX started before libtpu's settings were made")
+    for name, value in tpu_builds.LIBTPU_ENV.items():
+        os.environ.setdefault(name, value)
+    stdout = os.fdopen(os.dup(1), "w")  # the JSON alone on stdout
+    os.dup2(2, 1)
+    json.dump(report([c for c in args.chips.split(",") if c]), stdout)
+    stdout.write("\n")
+    stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

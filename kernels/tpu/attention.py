@@ -13,9 +13,12 @@ ARBITRARY (sequential), the others PARALLEL and split across the TensorCores.
 Per (query block, key block): s = scale * q kᵀ (+ the mask block), then the
 running row maximum m, denominator l and float32 accumulator acc (VMEM
 scratch) are rescaled by exp(m_old - m_new) and updated; the last key block
-writes o = acc / l and lse = m + log l. Causal blocks wholly above the
-diagonal are skipped: their body does nothing, and their key/value/mask index
-maps repeat the last visible block, so the pipeline fetches nothing new. The
+writes o = acc / l and lse = m + log l. Causal, the grid walks only the
+(query block, key block) pairs below the diagonal, listed in SMEM
+(`causal_steps`; 36 of a head's 64 at L = 8192 in 1024-blocks); where there
+are too many to list, and with spans, blocks wholly out of reach are
+skipped: their body does nothing, and their key/value/mask index maps repeat
+the last visible block, so the pipeline fetches nothing new. The
 mask is read block by block from (Bm, Hm, L, S), a broadcast batch or head
 axis mapped to block 0 by the index map (never copied); key/value head
 h // G serves query head h the same way (GQA, never repeated in memory).
@@ -71,7 +74,7 @@ def _lanes(column, width: int):
 
 def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale, causal,
                      kv_len, group, block_k, num_cores, dropout_p=0.0, spans=False,
-                     table=None, softcap=0.0, block_k_compute=None, window=None):
+                     table=None, softcap=0.0, block_k_compute=None, window=None, steps=None):
     """q_hbm (B, Hq, Lp, Ep), k_hbm (B, Hkv, Sp, Ep), v_hbm (B, Hkv, Sp, Evp),
     an optional mask (Bm, Hm, Lp, Sp), with spans the rows' spans (Lp, 2)
     and each query block's key blocks (2, Lp / bq) [first, past] (copied to
@@ -81,13 +84,23 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
     `block_k_compute` keys at a time (None: all at once). With the spans'
     `window`, the element masks come from the indices (the rows' spans are
     not read) and a query block steps through the most key blocks a
-    window reaches, not all of them."""
+    window reaches, not all of them. With the SMEM scratch `steps` (causal,
+    no spans) the grid's last axis walks the visible (query block, key
+    block) pairs listed in the last operand (blocks_.causal_steps) instead
+    of every pair."""
     *ins, o_hbm, lse_hbm = refs
+    if steps is not None:
+        *ins, steps_hbm = ins
+        pltpu.sync_copy(steps_hbm, steps)
     mask_hbm, spans_hbm, blocks_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, q_heads, lp, _ = q_hbm.shape
     sp = k_hbm.shape[2]
     bq, bk = acc_vmem.shape[0], block_k
-    grid = (batch, q_heads, lp // bq, blocks_.window_reach(window, lp // bq, bq, bk, sp // bk))
+    if steps is not None:
+        grid = (batch, q_heads, steps.shape[0] // 2)
+    else:
+        grid = (batch, q_heads, lp // bq,
+                blocks_.window_reach(window, lp // bq, bq, bk, sp // bk))
     row_blocks = spans and window is None  # the rows' spans, block by block
     # Without a mask or spans every row sees key 0, in its first sub-step
     # (j = 0 is key block 0): its running maximum is never -inf.
@@ -95,8 +108,8 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
     if spans:
         pltpu.sync_copy(blocks_hbm, table)
 
-    def last_visible(i):
-        return jnp.minimum((i * bq + bq - 1) // bk, grid[3] - 1)
+    def last_visible(i):  # a causal query block's last key block
+        return jnp.minimum((i * bq + bq - 1) // bk, sp // bk - 1)
 
     def kv_step(i, j):
         if spans:  # the j-th block the query block reaches; past them the last again
@@ -104,13 +117,24 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
         # a skipped causal block repeats the last visible one
         return jnp.minimum(j, last_visible(i)) if causal else j
 
+    def blocks_at(*step):
+        """(query block, key block) of a grid step's last indices."""
+        if steps is not None:
+            return steps[2 * step[0]], steps[2 * step[0] + 1]
+        return step[0], kv_step(*step)
+
     def body(q_ref, k_ref, v_ref, *rest):
         mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-2], row_blocks, dropout_p)
         o_ref, lse_ref = rest[-2:]
         # Global block indices (emit_pipeline adds the core's offset).
-        i, j = pl.program_id(2), pl.program_id(3)
+        step = tuple(pl.program_id(d) for d in range(2, len(grid)))
+        i, kb = blocks_at(*step)
+        if steps is not None:  # every step listed is visible; key block 0 comes first
+            first, last = kb == 0, kb == last_visible(i)
+        else:
+            first, last = step[1] == 0, step[1] == grid[3] - 1
 
-        @pl.when(j == 0)
+        @pl.when(first)
         def _():
             m_vmem[...] = jnp.full_like(m_vmem, -jnp.inf)
             l_vmem[...] = jnp.zeros_like(l_vmem)
@@ -118,7 +142,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
 
         def sub_step(cols, offset):
             """Keys `cols` of the block: the online softmax's update."""
-            k_start = kv_step(i, j) * bk + offset
+            k_start = kb * bk + offset
             s, _ = blocks_.masked_scores(
                 q_ref[...], k_ref[cols, :], None if mask_ref is None else mask_ref[:, cols],
                 scale=scale, q_start=i * bq, k_start=k_start, causal=causal, kv_len=kv_len,
@@ -142,14 +166,16 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
         def update():
             blocks_.over_key_sub_steps(bk, block_k_compute, sub_step)
 
-        if spans:
-            pl.when(table[0, i] + j < table[1, i])(update)
+        if steps is not None:
+            update()
+        elif spans:
+            pl.when(table[0, i] + step[1] < table[1, i])(update)
         elif causal:
-            pl.when(j * bk <= i * bq + bq - 1)(update)
+            pl.when(step[1] * bk <= i * bq + bq - 1)(update)
         else:
             update()
 
-        @pl.when(j == grid[3] - 1)
+        @pl.when(last)
         def _():
             # One reciprocal a row, in the lanes l is kept in: 952 bundles
             # for v5e against 1134 dividing by a broadcast column.
@@ -161,15 +187,21 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
             lse_ref[...] = jnp.where(empty, jnp.inf, m_vmem[...][:, :1] + chip.log(l))
 
     e, ev = q_hbm.shape[3], v_hbm.shape[3]
+    def rows(b, h, *step):
+        return (b, h, blocks_at(*step)[0], 0)
+
+    def kv_rows(b, h, *step):
+        return (b, h // group, blocks_at(*step)[1], 0)
+
     in_specs = [
-        pl.BlockSpec((None, None, bq, e), lambda b, h, i, j: (b, h, i, 0)),
-        pl.BlockSpec((None, None, bk, e), lambda b, h, i, j: (b, h // group, kv_step(i, j), 0)),
-        pl.BlockSpec((None, None, bk, ev), lambda b, h, i, j: (b, h // group, kv_step(i, j), 0)),
+        pl.BlockSpec((None, None, bq, e), rows),
+        pl.BlockSpec((None, None, bk, e), kv_rows),
+        pl.BlockSpec((None, None, bk, ev), kv_rows),
     ]
     operands = [q_hbm, k_hbm, v_hbm]
     if mask_hbm is not None:
-        def mask_index(b, h, i, j):
-            return (*blocks_.mask_block_index(mask_hbm.shape, b, h), i, kv_step(i, j))
+        def mask_index(b, h, *step):
+            return (*blocks_.mask_block_index(mask_hbm.shape, b, h), *blocks_at(*step))
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
@@ -177,15 +209,15 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
         in_specs.append(pl.BlockSpec((bq, 2), lambda b, h, i, j: (i, 0)))
         operands.append(spans_hbm)
     if keys_hbm is not None:
-        in_specs.append(pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j: (b, h, i, 0)))
+        in_specs.append(pl.BlockSpec((None, None, bq, 1), rows))
         operands.append(keys_hbm)
     out_specs = [
-        pl.BlockSpec((None, None, bq, ev), lambda b, h, i, j: (b, h, i, 0)),
-        pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j: (b, h, i, 0)),
+        pl.BlockSpec((None, None, bq, ev), rows),
+        pl.BlockSpec((None, None, bq, 1), rows),
     ]
     pltpu.emit_pipeline(
         body, grid=grid, in_specs=in_specs, out_specs=out_specs,
-        **pipeline_core_split(num_cores, parallel_dims=3),
+        **pipeline_core_split(num_cores, parallel_dims=len(grid) - 1),
     )(*operands, o_hbm, lse_hbm)
 
 
@@ -202,6 +234,11 @@ def pipelined_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p,
         tables = (spans, blocks_.span_blocks(spans, bq, bk))
         scratch["table"] = pltpu.SMEM(tables[1].shape, jnp.int32)
     operands = _operands(lay, q, k, v, mask, keys, tables)
+    steps = (blocks_.causal_steps(lay.lp // bq, bq, bk, lay.sp // bk)
+             if causal and spans is None else None)
+    if steps is not None:
+        scratch["steps"] = pltpu.SMEM(steps.shape, jnp.int32)
+        operands.append(steps)
     o, lse = pl.kernel(
         functools.partial(pipelined_kernel, scale=scale, causal=causal, kv_len=dims.kv_len,
                           group=dims.group, num_cores=num_cores, block_k=bk,

@@ -344,6 +344,26 @@ def window_reach(window, blocks: int, block: int, other_block: int, others: int)
     return min(most, others)
 
 
+# The most causal steps listed for the forward (causal_steps), two int32
+# each in SMEM (1 MiB on v5e): 16384 steps take 128 KiB, the pairs of 128k
+# tokens in 1024-blocks 8256.
+MAX_LISTED_STEPS = 16384
+
+
+def causal_steps(q_blocks: int, block_q: int, block_k: int, k_blocks: int):
+    """The (query block, key block) pairs a causal mask leaves visible, row
+    by row, keys in order, flattened [i0, j0, i1, j1, ...] (int32), for a
+    grid that walks only them; None where there are more than
+    MAX_LISTED_STEPS. A step whose keys are all masked costs the pipeline's
+    bookkeeping though it computes nothing: 28 of a head's 64 steps at
+    L = 8192 in 1024-blocks."""
+    pairs = [(i, j) for i in range(q_blocks)
+             for j in range(min((i * block_q + block_q - 1) // block_k, k_blocks - 1) + 1)]
+    if len(pairs) > MAX_LISTED_STEPS:
+        return None
+    return jnp.asarray([n for pair in pairs for n in pair], jnp.int32)
+
+
 def row_spans(spans_ref):
     """A pipelined block's rows' (start, end) columns, or None without spans."""
     return None if spans_ref is None else (spans_ref[:, 0:1], spans_ref[:, 1:2])

@@ -4,6 +4,7 @@ torch.matmul's semantics, layouts, gradients, autocast, dynamic shapes."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -410,3 +411,31 @@ def test_compile_dynamic_serves_new_sizes_without_recompiling():
         x = torch.randn(batch, seq, 16)
         torch.testing.assert_close(f(x), (x @ w.t()).relu(), rtol=1e-5, atol=1e-5)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("k, block, expected", [
+    (128256, 4096, 768),  # Llama 3's vocabulary as K (linear_cross_entropy's d_input)
+    (32000, 4096, 3200),  # fitted_block's own: a divisor down to half the block
+    (8192, 4096, 4096),
+    (1792, 4096, 1792),   # one block
+    (4000, 4096, 4096),   # one block, K rounded up to the lanes
+    (128 * 167, 1024, 1024),  # K / 128 prime: no divisor down to 256, padded
+])
+def test_chip_k_blocks_divide_k_where_they_can(k, block, expected):
+    assert tpu_matmul.k_block(k, block) == expected
+
+
+def test_chip_config_pads_no_operand_of_a_vocabulary_sized_k():
+    """v5e: dz (256 x 128256) @ W (128256 x 4096) in 4096-deep blocks would
+    copy W into 131072 rows at each call; its K block divides 128256."""
+    v5e = types.SimpleNamespace(device_kind="TPU v5 lite")
+    plain = dict(transpose_a=False, transpose_b=False)
+
+    def config(m, k, n):
+        avals = (((1, m, k), "bfloat16"), ((1, k, n), "bfloat16"))
+        return tpu_matmul.chip_config(avals, plain, v5e)
+
+    vocabulary = config(256, 128256, 4096)
+    assert 128256 % vocabulary.block_k == 0 and vocabulary.block_k >= 512, vocabulary
+    square = config(4096, 4096, 4096)
+    assert (square.block_m, square.block_n, square.block_k) == (1024, 1024, 4096), square

@@ -11,12 +11,15 @@ limit the kernel asked Mosaic for (chip.kernel; libtpu 0.0.42). The
 chunked linear_cross_entropy failed so at every realistic vocabulary while
 each of its kernels compiled alone. Here: that loss, and the kernels that
 ask for a VMEM limit (matmul, grouped_mm, attention's backward) inside a
-scan over layers, forward and backward, bfloat16.
+scan over layers, forward and backward, bfloat16. And the loss's memory
+against the unfused loss's (XLA's analysis of each compiled program, beyond
+its arguments): a padded copy of the 1 GiB weight once doubled it.
 
     python tests/tpu_programs.py [--chips v5e,v6e]
 
-prints {chip: {program: "ok" or the error's first lines}} as JSON on stdout
-(libtpu's settings, as tests/tpu_builds.py: set before JAX starts).
+prints {chip: {program: "ok" or the error's first lines, "memory": {program:
+bytes}}} as JSON on stdout (libtpu's settings, as tests/tpu_builds.py: set
+before JAX starts).
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ import sys
 import tpu_builds
 
 LAYERS = 2  # a scan over stacked weights, its outputs stacked
+# (fused loss, the unfused loss) on the same inputs: their memory compared
+UNFUSED_PAIR = ("linear_cross_entropy 8192 tokens x 4096, V 128256",
+                "the unfused loss (bfloat16 logits, float32 log-softmax), the same")
+
+
+def unfused_loss(x, w, t):
+    """The loss as a model computes it without the fused op."""
+    import jax
+    import jax.numpy as jnp
+
+    z = jnp.dot(x, w.T).astype(jnp.float32)
+    return jnp.mean(jax.nn.logsumexp(z, -1) - jnp.take_along_axis(z, t[:, None], 1)[:, 0])
 
 
 def _scan_layers(layer):
@@ -50,14 +65,20 @@ def programs():
     import torch_pallas.jax as tpj
 
     bf16, i32 = jnp.bfloat16, jnp.int32
-    tokens, hidden, vocab = 4096, 4096, 32000
+    tokens, hidden = 4096, 4096
     ends = jnp.asarray([300, 1100, 1500, 2300, 2301, 3000, 3700, 4096], i32)
+
+    def loss(vocab, rows=tokens):
+        return [((rows, hidden), bf16), ((vocab, hidden), bf16), ((rows,), i32)]
+
     return {
         # 4 chunks of 1024 rows in a scan; d_input's product (1024 x 32000 @
         # 32000 x 4096) in blocks of 1024 x 1024 x 3200, 29 MiB
-        f"linear_cross_entropy {tokens} tokens x {hidden}, V {vocab}": (
-            lambda x, w, t: tpj.linear_cross_entropy(x, w, t),
-            [((tokens, hidden), bf16), ((vocab, hidden), bf16), ((tokens,), i32)]),
+        f"linear_cross_entropy {tokens} tokens x {hidden}, V 32000": (
+            lambda x, w, t: tpj.linear_cross_entropy(x, w, t), loss(32000)),
+        # Llama 3's vocabulary, 8192 tokens: 16 chunks of 512 rows
+        UNFUSED_PAIR[0]: (lambda x, w, t: tpj.linear_cross_entropy(x, w, t), loss(128256, 8192)),
+        UNFUSED_PAIR[1]: (unfused_loss, loss(128256, 8192)),
         f"matmul {tokens} x {hidden} x {hidden} in a scan of {LAYERS} layers": (
             _scan_layers(tpj.matmul),
             [((tokens, hidden), bf16), ((LAYERS, hidden, hidden), bf16)]),
@@ -79,14 +100,16 @@ def report(chips) -> dict:
     for chip in chips:
         device = tpu_builds.abstract_device(chip)
         sharding = jax.sharding.SingleDeviceSharding(device)
-        results[chip] = {}
+        results[chip] = {"memory": {}}
         for name, (function, args) in programs().items():
             shapes = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in args]
             grad = jax.value_and_grad(function, (0, 1))
             try:
                 with jax.default_device(device), calls.building_for_tpu(device):
-                    jax.jit(grad).lower(*shapes).compile()
+                    memory = jax.jit(grad).lower(*shapes).compile().memory_analysis()
                 results[chip][name] = "ok"
+                results[chip]["memory"][name] = (memory.temp_size_in_bytes
+                                                 + memory.output_size_in_bytes)
             except Exception as e:  # noqa: BLE001 (each program's error, reported)
                 results[chip][name] = f"{type(e).__name__}: {str(e)[:600]}"
     return results

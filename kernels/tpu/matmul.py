@@ -297,12 +297,27 @@ def vmem_bytes(bm: int, bn: int, bk: int, itemsize: int, k_steps: int) -> int:
     return blocks + (bm * bn * 4 if k_steps > 1 else 0)
 
 
+def k_block(k: int, block: int) -> int:
+    """The K block for a `block`: fitted_block's, or where that leaves K
+    padded, the largest multiple of 128 down to 256 that divides K (rounded
+    to 128). A padded K is a padded copy of both operands at every call
+    (linear_cross_entropy's d_input, K the vocabulary: a 128256 x 4096
+    weight copied into 131072 rows, 1 GiB more memory, for 4096-blocks;
+    768 divides it), where a smaller block only adds K steps."""
+    fitted = fitted_block(k, block, 128)
+    whole = round_up(k, 128)
+    if whole % fitted == 0:
+        return fitted
+    return next((size for size in range(fitted, 255, -128) if whole % size == 0), fitted)
+
+
 def chip_config(avals, params, device) -> MatmulConfig:
     """The largest blocks of CHIP_BLOCKS that fit the scoped VMEM asked of
     Mosaic (chip.vmem_limit), each cut to its dimension rounded up to the tile
     ((8 or 16 rows, 128 lanes): a small matrix is one block, not padded to
-    512); N and K blocks that divide their dimension where one of at least
-    half the size does (shapes.fitted_block: no padded copy of an operand)."""
+    512); N blocks that divide their dimension where one of at least half
+    the size does (shapes.fitted_block: no padded copy of an operand), K
+    blocks where one of at least 256 does (k_block)."""
     (a_shape, dtype), (b_shape, _) = avals
     _, m, n, k = matmul_dims(a_shape, b_shape, params["transpose_a"], params["transpose_b"])
     itemsize = 2 if dtype in ("bfloat16", "float16") else 4
@@ -310,7 +325,7 @@ def chip_config(avals, params, device) -> MatmulConfig:
     limit = chip.vmem_limit(device)
     # (float16 runs in float32 on the chip: chip.widening_float16)
     for bm, bn, bk in CHIP_BLOCKS["bfloat16" if dtype == "bfloat16" else "float32"]:
-        bm, bn, bk = min(bm, round_up(m, rows)), fitted_block(n, bn, 128), fitted_block(k, bk, 128)
+        bm, bn, bk = min(bm, round_up(m, rows)), fitted_block(n, bn, 128), k_block(k, bk)
         # a transposed operand's blocks put M or N on the lanes
         if params["transpose_a"]:
             bm = min(max(bm, 128), round_up(m, 128))

@@ -447,6 +447,30 @@ def test_window_reach():
         assert reach((left, right), n, block, other, 64) <= counted + 1, (left, right)
 
 
+@pytest.mark.parametrize("q_blocks, bq, bk, k_blocks", [
+    (8, 1024, 1024, 8),  # v5e's L8192: 36 of 64 pairs
+    (6, 512, 1024, 3),   # two query blocks a key block
+    (3, 1024, 512, 8),   # keys past every row (S > L)
+    (5, 384, 256, 9),
+])
+def test_causal_steps_list_exactly_the_visible_blocks(q_blocks, bq, bk, k_blocks):
+    """The causal grids' steps against a count over every row and key: the
+    forward's (query block, key block) pairs with a key some row sees; the
+    backward's (key block, head, query block) steps likewise, heads in
+    order, and one step per head for a key block no row sees."""
+    sees = {(i, j) for i in range(q_blocks) for j in range(k_blocks)
+            if any(key <= row for row in range(i * bq, i * bq + bq)
+                   for key in range(j * bk, j * bk + bk))}
+    forward = attention_blocks.causal_steps(q_blocks, bq, bk, k_blocks).tolist()
+    assert list(zip(forward[0::2], forward[1::2])) == sorted(sees)
+    group = 2
+    backward = attention_blocks.causal_key_steps(k_blocks, bk, bq, q_blocks, group).tolist()
+    steps = list(zip(backward[0::3], backward[1::3], backward[2::3]))
+    expected = [(j, g, i) for j in range(k_blocks) for g in range(group)
+                for i in (sorted(i for i, jj in sees if jj == j) or [q_blocks - 1])]
+    assert steps == expected
+
+
 # ---------------------------------------------------------------------------
 # Lowered for a TPU (2 TensorCores): every primitive has a Mosaic lowering
 

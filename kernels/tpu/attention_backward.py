@@ -25,8 +25,11 @@ with `pltpu.emit_pipeline`, each TensorCore owning what it writes:
 - dq otherwise in a second kernel: grid (B, Hq, L/bq, S/bk), a query block
   resident and the key blocks streaming, as in the forward.
 
-Causal blocks that no query of the block can see are skipped in both (no
-compute; their index maps repeat a visible block, so nothing is fetched).
+Causal, the dk/dv grid walks only the (key block, query head, query block)
+steps with a row that sees the key block, listed in SMEM (causal_key_steps),
+as the forward's does; the dq kernel, and dk/dv with spans or too many
+steps to list, skip the blocks no query of the block can see (no compute;
+their index maps repeat a visible block, so nothing is fetched).
 The mask is read block by block, broadcast axes mapped to block 0; ragged L
 and S are padded once outside (padded keys masked inside, padded query rows
 given lse = +inf, hence p = 0).
@@ -73,7 +76,7 @@ def _uncapped(ds, t):
 def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem, dv_vmem,
                 scale, causal, kv_len, group, block_q, block_k, num_cores, dropout_p=0.0,
                 spans=False, table=None, softcap=0.0, dq_vmem=None, block_k_compute=None,
-                window=None):
+                window=None, steps=None):
     """Inputs padded: q (B, Hq, Lp, Ep), k (B, Hkv, Sp, Ep), v (B, Hkv, Sp,
     Evp), do (B, Hq, Lp, Evp), lse and delta (B, Hq, Lp, 1), optional mask
     (Bm, Hm, Lp, Sp), with spans the rows' spans (Lp, 2) and each key
@@ -83,11 +86,17 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
     key block meets a query block `block_k_compute` keys at a time (None:
     all at once). With the spans' `window`, as the forward: masks from the
     indices, and for each query head the most query blocks a key block's
-    window reaches."""
+    window reaches. With the SMEM scratch `steps` (causal, no spans) the
+    grid's last axis walks the (key block, query head, query block) steps
+    listed in the last input (blocks_.causal_key_steps), the visible ones,
+    instead of every query block of every head."""
     fused = dq_vmem is not None
     *ins, dk_hbm, dv_hbm = refs
     if fused:
         *ins, dq_hbm = ins
+    if steps is not None:
+        *ins, steps_hbm = ins
+        pltpu.sync_copy(steps_hbm, steps)
     mask_hbm, spans_hbm, blocks_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, kv_heads, sp, e = k_hbm.shape
     lp, ev = q_hbm.shape[2], v_hbm.shape[3]
@@ -95,7 +104,10 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
     nq = lp // bq
     # query blocks a key block steps through for each query head
     per_head = blocks_.window_reach(window and window[::-1], sp // bk, bk, bq, nq)
-    grid = (batch, kv_heads, sp // bk, group * per_head)
+    if steps is not None:
+        grid = (batch, kv_heads, steps.shape[0] // 3)
+    else:
+        grid = (batch, kv_heads, sp // bk, group * per_head)
     row_blocks = spans and window is None  # the rows' spans, block by block
     if spans:
         pltpu.sync_copy(blocks_hbm, table)
@@ -109,8 +121,17 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
             return blocks_.reached(table, j, i)
         return jnp.maximum(i, first_visible(j)) if causal else i
 
-    def q_index(b, h, j, t):
-        return (b, h * group + t // per_head, q_block(j, t), 0)
+    def blocks_at(*step):
+        """(key block, query head of the group, query block) of a grid
+        step's last indices."""
+        if steps is not None:
+            return steps[3 * step[0]], steps[3 * step[0] + 1], steps[3 * step[0] + 2]
+        j, t = step
+        return j, t // per_head, q_block(j, t)
+
+    def q_index(b, h, *step):
+        _, g, i = blocks_at(*step)
+        return (b, h * group + g, i, 0)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         outs = 3 if fused else 2
@@ -118,16 +139,26 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
                                                              dropout_p)
         dq_ref, dk_ref, dv_ref = (None, *rest[-2:]) if not fused else rest[-3:]
         # Global block indices (emit_pipeline adds the core's offset).
-        j, t = pl.program_id(2), pl.program_id(3)
-        i = q_block(j, t) if spans else t % nq
+        step = tuple(pl.program_id(d) for d in range(2, len(grid)))
+        j, g, i = blocks_at(*step)
+        if steps is not None:  # a key block's steps: heads in order, each from its first block
+            first_of_j = (g == 0) & (i == first_visible(j))
+            last_of_j = (g == group - 1) & (i == nq - 1)
+            first, last = step[0] == 0, step[0] == grid[2] - 1
+        else:
+            t = step[1]
+            i = i if spans else t % nq  # causal: unclamped, for the test below
+            first_of_j, last_of_j = t == 0, t == grid[3] - 1
+            first = (j == 0) & (t == 0)
+            last = (j == grid[2] - 1) & (t == grid[3] - 1)
 
-        @pl.when(t == 0)
+        @pl.when(first_of_j)
         def _():
             dk_vmem[...] = jnp.zeros_like(dk_vmem)
             dv_vmem[...] = jnp.zeros_like(dv_vmem)
 
         if fused:
-            @pl.when((j == 0) & (t == 0))
+            @pl.when(first)
             def _():
                 dq_vmem[...] = jnp.zeros_like(dq_vmem)
 
@@ -150,25 +181,25 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
             dk_vmem[cols, :] += scale * dot(ds, q, (0, 0))
             if fused:
                 rows = pl.ds(pl.multiple_of(i * bq, bq), bq)
-                dq_vmem[t // per_head, rows, :] += scale * dot(ds, k, (1, 0))
+                dq_vmem[g, rows, :] += scale * dot(ds, k, (1, 0))
 
         def update():
             blocks_.over_key_sub_steps(bk, block_k_compute, sub_step)
 
         if spans:
-            pl.when(table[0, j] + t % per_head < table[1, j])(update)
-        elif causal:
+            pl.when(table[0, j] + step[1] % per_head < table[1, j])(update)
+        elif causal:  # listed steps too: a key block no row sees keeps one
             pl.when(i * bq + bq - 1 >= j * bk)(update)
         else:
             update()
 
-        @pl.when(t == grid[3] - 1)
+        @pl.when(last_of_j)
         def _():
             dk_ref[...] = dk_vmem[...].astype(dk_ref.dtype)
             dv_ref[...] = dv_vmem[...].astype(dv_ref.dtype)
 
         if fused:
-            @pl.when((j == grid[2] - 1) & (t == grid[3] - 1))
+            @pl.when(last)
             def _():  # the pair's last step: its dq is complete
                 dq_ref[...] = dq_vmem[...].astype(dq_ref.dtype)
 
@@ -176,14 +207,15 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
         return pl.BlockSpec((None, None, bq, width), q_index)
 
     def kv_spec(width):
-        return pl.BlockSpec((None, None, bk, width), lambda b, h, j, t: (b, h, j, 0))
+        return pl.BlockSpec((None, None, bk, width),
+                            lambda b, h, *step: (b, h, blocks_at(*step)[0], 0))
 
     in_specs = [row_spec(e), kv_spec(e), kv_spec(ev), row_spec(ev), row_spec(1), row_spec(1)]
     operands = [q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm]
     if mask_hbm is not None:
-        def mask_index(b, h, j, t):
-            qh = h * group + t // per_head
-            return (*blocks_.mask_block_index(mask_hbm.shape, b, qh), q_block(j, t), j)
+        def mask_index(b, h, *step):
+            j, g, i = blocks_at(*step)
+            return (*blocks_.mask_block_index(mask_hbm.shape, b, h * group + g), i, j)
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
@@ -195,12 +227,14 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
         operands.append(keys_hbm)
     out_specs, outs = [kv_spec(e), kv_spec(ev)], [dk_hbm, dv_hbm]
     if fused:  # one block per (B, Hkv) pair, written after its last step
-        out_specs.insert(0, pl.BlockSpec((None, group, lp, e), lambda b, h, j, t: (b, h, 0, 0)))
+        out_specs.insert(0, pl.BlockSpec((None, group, lp, e), lambda b, h, *step: (b, h, 0, 0)))
         outs.insert(0, dq_hbm)
+    # the key blocks split across the cores too where each has its own steps
+    parallel = 2 if fused or steps is not None else 3
     pltpu.emit_pipeline(
         body, grid=grid, in_specs=in_specs, out_specs=out_specs,
-        **pipeline_core_split(num_cores, parallel_dims=2 if fused else 3,
-                              sequential_dims=2 if fused else 1),
+        **pipeline_core_split(num_cores, parallel_dims=parallel,
+                              sequential_dims=len(grid) - parallel),
     )(*operands, *outs)
 
 
@@ -321,10 +355,17 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *,
         dkdv_scratch["table"] = pltpu.SMEM(by_key.shape, jnp.int32)
     run = functools.partial(chip.kernel, mesh=tensorcore_mesh(num_cores), interpret=interpret,
                             vmem_limit=config.vmem_limit)
+    dkdv_operands = _operands(lay, q, k, v, do, lse, delta, mask, keys, dkdv_tables)
+    steps = None
+    if causal and spans is None and (dims.batch * dims.kv_heads) % num_cores == 0:
+        steps = blocks_.causal_key_steps(lay.sp // bk, bk, bq, lay.lp // bq, dims.group)
+    if steps is not None:
+        dkdv_scratch["steps"] = pltpu.SMEM(steps.shape, jnp.int32)
+        dkdv_operands.append(steps)
     dkdv = run(functools.partial(dkdv_kernel, **static,
                                  block_k_compute=blocks_.compute_block(config, bk)),
                out_type=dkdv_out, scratch_types=dkdv_scratch)
-    grads = dkdv(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dkdv_tables))
+    grads = dkdv(*dkdv_operands)
     if fused:
         return _results(lay, *grads)
     dq_scratch = dict(dq_vmem=pltpu.VMEM((bq, lay.e), jnp.float32))

@@ -364,6 +364,19 @@ def causal_steps(q_blocks: int, block_q: int, block_k: int, k_blocks: int):
     return jnp.asarray([n for pair in pairs for n in pair], jnp.int32)
 
 
+def causal_key_steps(k_blocks: int, block_k: int, block_q: int, q_blocks: int, group: int):
+    """The backward's causal_steps: for each key block, each of the `group`
+    query heads of its key/value head, the query blocks with a row that sees
+    it, flattened [j0, g0, i0, j1, ...] (int32); a key block no row sees
+    keeps one step per head at the last query block (its gradients are
+    written, zero). None where there are more than MAX_LISTED_STEPS."""
+    steps = [(j, g, i) for j in range(k_blocks) for g in range(group)
+             for i in range(min(j * block_k // block_q, q_blocks - 1), q_blocks)]
+    if len(steps) > MAX_LISTED_STEPS:
+        return None
+    return jnp.asarray([n for step in steps for n in step], jnp.int32)
+
+
 def row_spans(spans_ref):
     """A pipelined block's rows' (start, end) columns, or None without spans."""
     return None if spans_ref is None else (spans_ref[:, 0:1], spans_ref[:, 1:2])

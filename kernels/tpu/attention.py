@@ -187,6 +187,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
             lse_ref[...] = jnp.where(empty, jnp.inf, m_vmem[...][:, :1] + chip.log(l))
 
     e, ev = q_hbm.shape[3], v_hbm.shape[3]
+
     def rows(b, h, *step):
         return (b, h, blocks_at(*step)[0], 0)
 

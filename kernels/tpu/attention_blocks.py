@@ -344,9 +344,9 @@ def window_reach(window, blocks: int, block: int, other_block: int, others: int)
     return min(most, others)
 
 
-# The most causal steps listed for the forward (causal_steps), two int32
-# each in SMEM (1 MiB on v5e): 16384 steps take 128 KiB, the pairs of 128k
-# tokens in 1024-blocks 8256.
+# The most causal steps listed (causal_steps, causal_key_steps), two int32
+# each forward and three backward in SMEM (1 MiB on v5e): 16384 steps take
+# 128 / 192 KiB; 128k tokens in 1024-blocks make 8256 a head.
 MAX_LISTED_STEPS = 16384
 
 

@@ -14,16 +14,16 @@ def round_up(a: int, b: int) -> int:
     return cdiv(a, b) * b
 
 
-def fitted_block(dim: int, block: int, align: int) -> int:
+def fitted_block(dim: int, block: int, align: int, smallest: int | None = None) -> int:
     """A block of at most `block` (a multiple of `align`) for a dimension of
     `dim`: the whole dimension, rounded up to `align`, where it fits in one;
-    else the largest multiple of `align` down to block / 2 that divides it,
-    so that no operand is copied into a padded one (1792 = 2 x 896 for a
-    1024 block); else `block`, the rest padded."""
+    else the largest multiple of `align` down to `smallest` (block / 2 by
+    default) that divides it, so that no operand is copied into a padded one
+    (1792 = 2 x 896 for a 1024 block); else `block`, the rest padded."""
     whole = round_up(dim, align)
     if whole <= block:
         return whole
-    for size in range(block, block // 2 - 1, -align):
+    for size in range(block, (block // 2 if smallest is None else smallest) - 1, -align):
         if whole % size == 0:
             return size
     return block

@@ -357,11 +357,8 @@ def causal_steps(q_blocks: int, block_q: int, block_k: int, k_blocks: int):
     MAX_LISTED_STEPS. A step whose keys are all masked costs the pipeline's
     bookkeeping though it computes nothing: 28 of a head's 64 steps at
     L = 8192 in 1024-blocks."""
-    pairs = [(i, j) for i in range(q_blocks)
-             for j in range(min((i * block_q + block_q - 1) // block_k, k_blocks - 1) + 1)]
-    if len(pairs) > MAX_LISTED_STEPS:
-        return None
-    return jnp.asarray([n for pair in pairs for n in pair], jnp.int32)
+    return _listed([(i, j) for i in range(q_blocks)
+                    for j in range(min((i * block_q + block_q - 1) // block_k, k_blocks - 1) + 1)])
 
 
 def causal_key_steps(k_blocks: int, block_k: int, block_q: int, q_blocks: int, group: int):
@@ -370,8 +367,13 @@ def causal_key_steps(k_blocks: int, block_k: int, block_q: int, q_blocks: int, g
     it, flattened [j0, g0, i0, j1, ...] (int32); a key block no row sees
     keeps one step per head at the last query block (its gradients are
     written, zero). None where there are more than MAX_LISTED_STEPS."""
-    steps = [(j, g, i) for j in range(k_blocks) for g in range(group)
-             for i in range(min(j * block_k // block_q, q_blocks - 1), q_blocks)]
+    return _listed([(j, g, i) for j in range(k_blocks) for g in range(group)
+                    for i in range(min(j * block_k // block_q, q_blocks - 1), q_blocks)])
+
+
+def _listed(steps):
+    """Steps (tuples of block indices) flattened into one int32 array for
+    SMEM; None where there are more than MAX_LISTED_STEPS."""
     if len(steps) > MAX_LISTED_STEPS:
         return None
     return jnp.asarray([n for step in steps for n in step], jnp.int32)

@@ -298,17 +298,13 @@ def vmem_bytes(bm: int, bn: int, bk: int, itemsize: int, k_steps: int) -> int:
 
 
 def k_block(k: int, block: int) -> int:
-    """The K block for a `block`: fitted_block's, or where that leaves K
-    padded, the largest multiple of 128 down to 256 that divides K (rounded
-    to 128). A padded K is a padded copy of both operands at every call
-    (linear_cross_entropy's d_input, K the vocabulary: a 128256 x 4096
-    weight copied into 131072 rows, 1 GiB more memory, for 4096-blocks;
-    768 divides it), where a smaller block only adds K steps."""
-    fitted = fitted_block(k, block, 128)
-    whole = round_up(k, 128)
-    if whole % fitted == 0:
-        return fitted
-    return next((size for size in range(fitted, 255, -128) if whole % size == 0), fitted)
+    """The K block for a `block`: fitted_block's, looking for a divisor of K
+    (rounded to 128) down to 256 rather than half the block. A padded K is a
+    padded copy of both operands at every call (linear_cross_entropy's
+    d_input, K the vocabulary: a 128256 x 4096 weight copied into 131072
+    rows, 1 GiB more memory, for 4096-blocks; 768 divides it), where a
+    smaller block only adds K steps."""
+    return fitted_block(k, block, 128, smallest=256)
 
 
 def chip_config(avals, params, device) -> MatmulConfig:

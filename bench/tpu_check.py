@@ -549,6 +549,24 @@ def attention_sweep():
         sweep(f"attention causal B{batch} H16 L{length}", record(step), variants)
 
 
+def window_sweep():
+    """A sliding window of 1024 keys at L8192, around the chosen 1024 x 1024:
+    1024-blocks visit 2048 keys a query block, 512-blocks 1536 in three times
+    the steps (v5e's schedule: a 512 x 512 body 1134 bundles, a 1024 x 1024
+    one 4660)."""
+    q, k, v = (rand(1, 16, 8192, 128, grad=True) for _ in range(3))
+
+    def window_step():
+        out = torch_pallas.attention(q, k, v, window_size=(1023, 0))
+        out.backward(torch.ones_like(out))
+
+    sweep("attention window 1024 B1 H16 L8192", record(window_step), {
+        f"{bq}x{bk} compute {bkc}": (lambda c, bq=bq, bk=bk, bkc=bkc: dataclasses.replace(
+            c, block_q=bq, block_k=bk, block_k_compute=bkc))
+        for bq, bk, bkc in ((1024, 1024, 512), (1024, 1024, 256), (512, 512, None),
+                            (512, 1024, 512), (1024, 512, None), (512, 512, 256))})
+
+
 def grouped_mm_sweep():
     """grouped_mm's tiles around the chosen ones (Mixtral-like, 8 groups)."""
     rng = np.random.default_rng(0)
@@ -645,6 +663,7 @@ CASES = {
     "through_torch": through_torch_case,
     "bounds": bounds_case,
     "sweep_attention": attention_sweep,
+    "sweep_attention_window": window_sweep,
     "sweep_grouped_mm": grouped_mm_sweep,
     "sweep_matmul": matmul_sweep,
     "sweep_rms_norm": rms_norm_sweep,

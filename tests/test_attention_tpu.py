@@ -413,10 +413,75 @@ def test_tpu_interpret_window_race_free(kw, fused_dq_bytes):
     check("tpu_interpret", case, config=config, detect_races=True)
 
 
+# A window at least a query block wide to the left: the forward takes each
+# query block's diagonal key block first, every row sees its first key, and
+# the running maxima go unguarded. 16 x 16 blocks, and 16-row blocks of
+# 32 keys made 16 at a time (a query block may start mid key block); ragged
+# L and S; softcap and dropout on the first.
+TPU_DIAGONAL_FIRST = {
+    "causal_softcap_dropout_bf16": (TPU_SPANS, dict(b=1, hq=2, hkv=1, l=75, s=75, e=8,
+                                                    window=(20, 0), causal=True, softcap=2.0,
+                                                    dropout_p=0.3, dtype=torch.bfloat16)),
+    "both_sides_mid_block": (
+        AttentionConfig(Body.PIPELINED, block_q=16, block_k=32, block_k_compute=16,
+                        head_multiple=attention_blocks.LANES),
+        dict(b=1, hq=2, hkv=2, l=70, s=77, e=8, window=(33, 2))),
+}
+
+
+@pytest.mark.parametrize("config, kw", TPU_DIAGONAL_FIRST.values(),
+                         ids=TPU_DIAGONAL_FIRST.keys())
+def test_tpu_interpret_window_diagonal_block_first(config, kw):
+    case = make_case(**kw)
+    window = case.params["window"]
+    l, s = kw["l"], kw["s"]
+    assert attention_blocks.rows_see_diagonal_key(window, -(-l // 16), 16, config.block_k, s)
+    check("tpu_interpret", case, config=config, detect_races=True, backward=False)
+
+
+@pytest.mark.parametrize("window, q_blocks, bq, bk, kv_len", [
+    ((1023, 0), 8, 1024, 1024, 8192),  # v5e's L8192 window
+    ((1022, 0), 8, 1024, 1024, 8192),  # a row short
+    ((20, 3), 7, 16, 16, 90),          # rows past the keys (L > S)
+    ((33, 2), 5, 16, 32, 77),          # query blocks starting mid key block
+    ((30, 2), 5, 16, 32, 77),
+    ((-1, 0), 4, 16, 16, 64),          # unbounded to the left
+    ((7, -1), 3, 16, 16, 53),
+])
+def test_rows_see_diagonal_key(window, q_blocks, bq, bk, kv_len):
+    """Against a count over every row: each row of each query block sees the
+    first key of the key block holding the block's first row."""
+    left, right = window
+
+    def sees(row, key):
+        return (key < kv_len and (left < 0 or key >= row - left)
+                and (right < 0 or key <= row + right))
+
+    counted = all(sees(row, i * bq // bk * bk)
+                  for i in range(q_blocks) for row in range(i * bq, i * bq + bq))
+    assert attention_blocks.rows_see_diagonal_key(window, q_blocks, bq, bk, kv_len) == counted
+
+
+def test_reached_takes_the_leading_block_first():
+    """With a leading block, a query block's reached blocks come that one
+    first, then the rest in order, then the last of them again."""
+    import jax.numpy as jnp
+
+    table = jnp.asarray([[0, 2, 3, 5], [1, 4, 6, 6]], jnp.int32)  # [first, past) per block
+    leading = [0, 3, 3, 5]
+    want = [[0, 0, 0, 0], [3, 2, 2, 2], [3, 4, 5, 5], [5, 5, 5, 5]]
+    for i in range(4):
+        got = [int(attention_blocks.reached(table, i, j, leading[i])) for j in range(4)]
+        assert got == want[i], (i, got)
+        first, past = int(table[0, i]), int(table[1, i])
+        assert [int(attention_blocks.reached(table, i, j)) for j in range(2)] == [
+            first, min(first + 1, past - 1)]
+
+
 def test_chip_config_sub_steps():
     """On a chip the forward takes a block's keys in its longer sub-steps only
-    where its running maxima need no guard (no mask, no spans, no window);
-    the backward in its own."""
+    where its running maxima need no guard (no mask, no spans but a window
+    a query block wide, its diagonal block first); the backward in its own."""
     compute = attention_blocks.CHIP_K_COMPUTE
 
     def chosen(params, masked=False, backward=False):
@@ -424,8 +489,10 @@ def test_chip_config_sub_steps():
                                             masked=masked, backward=backward).block_k_compute
 
     assert chosen({}) == chosen({"softcap": 3.0}) == compute["forward_unguarded"]
+    assert chosen({"spans": True, "window": (4095, 0)}) == compute["forward_unguarded"]
     for params, masked in (({}, True), ({"spans": True}, False),
-                           ({"spans": True, "window": (7, 0)}, False)):
+                           ({"spans": True, "window": (7, 0)}, False),
+                           ({"spans": True, "window": (4095, 0)}, True)):
         assert chosen(params, masked) == compute["forward"], (params, masked)
     assert chosen({}, backward=True) == compute["backward"]
 

@@ -265,6 +265,9 @@ REALISTIC: dict[str, list[Case]] = {
         Case("B2 H8/2 L2048 D128 causal GQA", _attention(hkv=2), exhaustive=True),
         Case("B2 H8 L2048 D128 window (512, 0)", _attention(causal=False, window_size=(512, 0)),
              exhaustive=True),
+        # a query block wide: the diagonal key block first, maxima unguarded
+        Case("B2 H8 L2048 D128 window (1023, 0)",
+             _attention(causal=False, window_size=(1023, 0)), exhaustive=True),
         Case("B2 H8 L2048 D128 causal softcap 30", _attention(softcap=30.0), exhaustive=True),
         Case("B2 H8 L2048 D128 causal sinks", _attention(sinks=True), exhaustive=True),
     ],

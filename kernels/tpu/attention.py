@@ -18,7 +18,10 @@ writes o = acc / l and lse = m + log l. Causal, the grid walks only the
 (`causal_steps`; 36 of a head's 64 at L = 8192 in 1024-blocks); where there
 are too many to list, and with spans, blocks wholly out of reach are
 skipped: their body does nothing, and their key/value/mask index maps repeat
-the last visible block, so the pipeline fetches nothing new. The
+the last visible block, so the pipeline fetches nothing new. A sliding
+window at least a query block wide to the left takes each query block's
+diagonal key block first: every row then has a score in the first sub-step,
+and the running maxima need no guard against -inf, as without a mask. The
 mask is read block by block from (Bm, Hm, L, S), a broadcast batch or head
 axis mapped to block 0 by the index map (never copied); key/value head
 h // G serves query head h the same way (GQA, never repeated in memory).
@@ -84,7 +87,8 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
     `block_k_compute` keys at a time (None: all at once). With the spans'
     `window`, the element masks come from the indices (the rows' spans are
     not read) and a query block steps through the most key blocks a
-    window reaches, not all of them. With the SMEM scratch `steps` (causal,
+    window reaches, not all of them, its diagonal block first where every
+    row sees that block's first key. With the SMEM scratch `steps` (causal,
     no spans) the grid's last axis walks the visible (query block, key
     block) pairs listed in the last operand (blocks_.causal_steps) instead
     of every pair."""
@@ -102,9 +106,14 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
         grid = (batch, q_heads, lp // bq,
                 blocks_.window_reach(window, lp // bq, bq, bk, sp // bk))
     row_blocks = spans and window is None  # the rows' spans, block by block
+    # A window wide enough takes each query block's diagonal key block first:
+    # every row sees its first key.
+    diagonal_first = (window is not None and mask_hbm is None
+                      and blocks_.rows_see_diagonal_key(window, lp // bq, bq, bk, kv_len))
     # Without a mask or spans every row sees key 0, in its first sub-step
-    # (j = 0 is key block 0): its running maximum is never -inf.
-    every_row_sees_key_0 = mask_hbm is None and not spans
+    # (j = 0 is key block 0), or the diagonal block's first key: its running
+    # maximum is never -inf.
+    first_sub_step_seen = (mask_hbm is None and not spans) or diagonal_first
     if spans:
         pltpu.sync_copy(blocks_hbm, table)
 
@@ -113,7 +122,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
 
     def kv_step(i, j):
         if spans:  # the j-th block the query block reaches; past them the last again
-            return blocks_.reached(table, i, j)
+            return blocks_.reached(table, i, j, i * bq // bk if diagonal_first else None)
         # a skipped causal block repeats the last visible one
         return jnp.minimum(j, last_visible(i)) if causal else j
 
@@ -151,7 +160,7 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
             m_old = m_vmem[...]  # (bq, LANES), every lane the same
             m_new = jnp.maximum(m_old, s.max(axis=1, keepdims=True))
             # -inf where a row has seen nothing yet (then 0, for the exps)
-            m_safe = m_new if every_row_sees_key_0 else jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            m_safe = m_new if first_sub_step_seen else jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp(s - _lanes(m_safe, s.shape[1]))
             alpha = jnp.exp(m_old - m_safe)
             l_vmem[...] = alpha * l_vmem[...] + p.sum(axis=1, keepdims=True)

@@ -572,14 +572,36 @@ def run_subprocess(op: str, tier: str = "default", chips=("v5e", "v6e"),
     """`report(op, tier, chips)` computed by this file run as a script in a
     fresh Python process with LIBTPU_ENV set; its stderr (libtpu's logs)
     is captured and, where the process fails, raised in a RuntimeError."""
+    return run_json_script(os.path.abspath(__file__),
+                           [op, "--tier", tier, "--chips", ",".join(chips)], timeout)
+
+
+def run_json_script(script: str, args: list, timeout: float) -> dict:
+    """The JSON a script that ends in `print_json_alone` prints, run in a
+    fresh Python process with LIBTPU_ENV set (raised in a RuntimeError with
+    the end of its stderr where the process fails)."""
     env = {**os.environ, **LIBTPU_ENV, "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, os.path.abspath(__file__), op, "--tier", tier,
-               "--chips", ",".join(chips)]
+    command = [sys.executable, script, *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}; its stderr "
                            f"ends:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout)
+
+
+def print_json_alone(script: str, make) -> None:
+    """A script's main: LIBTPU_ENV set before JAX starts, then make()'s
+    result as JSON, alone on stdout (everything else printed, libtpu's logs
+    and warnings, goes to stderr)."""
+    if "jax" in sys.modules:
+        raise RuntimeError(f"{script}: JAX started before libtpu's settings were made")
+    for name, value in LIBTPU_ENV.items():
+        os.environ.setdefault(name, value)
+    stdout = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    json.dump(make(), stdout)
+    stdout.write("\n")
+    stdout.flush()
 
 
 def main(argv=None) -> None:
@@ -591,17 +613,8 @@ def main(argv=None) -> None:
     parser.add_argument("--chips", default="v5e,v6e",
                         help="comma-separated, of: " + ", ".join(CHIPS))
     args = parser.parse_args(argv)
-    if "jax" in sys.modules:
-        raise RuntimeError("tpu_builds: JAX started before libtpu's settings were made")
-    for name, value in LIBTPU_ENV.items():
-        os.environ.setdefault(name, value)
-    # stdout carries the JSON alone: everything else printed goes to stderr.
-    stdout = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    result = report(args.op, args.tier, [c for c in args.chips.split(",") if c])
-    json.dump(result, stdout)
-    stdout.write("\n")
-    stdout.flush()
+    print_json_alone("tpu_builds", lambda: report(
+        args.op, args.tier, [c for c in args.chips.split(",") if c]))
 
 
 if __name__ == "__main__":

@@ -618,6 +618,44 @@ def rms_norm_sweep():
         for r in (16, 32, 64, 128, 256)})
 
 
+def bandwidth_sweep(n: int = 8192):
+    """What the chip's HBM gives a read and a write of n x n bfloat16 (the
+    memory-bound kernels' goal is 85% of 819 GB/s): XLA's `2 * x`, and a
+    Pallas kernel doing the same as ours do (emit_pipeline over blocks of
+    whole rows) by rows a block and the input's buffers (2: double
+    buffering, emit_pipeline's default; 3: one more copy in flight)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    from torch_pallas.kernels.tpu.cores import tensorcore_mesh
+
+    def doubled(rows: int, buffers: int):
+        def kernel(x_hbm, o_hbm):
+            def body(x_ref, o_ref):
+                o_ref[...] = x_ref[...] * 2
+
+            mode = {} if buffers == 2 else {"pipeline_mode": pl.Buffered(buffers)}
+            pltpu.emit_pipeline(
+                body, grid=(n // rows,),
+                in_specs=[pl.BlockSpec((rows, n), lambda i: (i, 0), **mode)],
+                out_specs=[pl.BlockSpec((rows, n), lambda i: (i, 0))])(x_hbm, o_hbm)
+
+        return pl.kernel(kernel, out_type=jax.ShapeDtypeStruct((n, n), jnp.bfloat16),
+                         mesh=tensorcore_mesh(1))
+
+    functions = {"xla 2 * x": lambda x: x * 2}
+    # 256 rows in 3 buffers (and 2 out): 20 MiB, past Mosaic's 16 MiB default
+    for rows, buffers in ((32, 2), (32, 3), (64, 2), (64, 3), (128, 2), (128, 3), (256, 2)):
+        functions[f"pallas {rows} rows, {buffers} buffers"] = doubled(rows, buffers)
+    x = np.asarray(bridge.to_kernel_argument(rand(n, n)))
+    t = compare(functions, {name: [x] for name in functions}, skip_failures=True)
+    line = dict(sweep=f"HBM read + write, bf16 {n} x {n}",
+                ms={k: (v * 1e3 if isinstance(v, float) else v) for k, v in t.items()},
+                gb_s={k: 4.0 * n * n / v / 1e9 for k, v in t.items() if isinstance(v, float)})
+    RESULTS.append(line)
+    print(json.dumps(line), flush=True)
+
+
 def bounds_case():
     """Where the chip's values leave an example's bound: the worst element
     of each example of the ops that did, its reference, value and bound."""
@@ -667,6 +705,7 @@ CASES = {
     "sweep_grouped_mm": grouped_mm_sweep,
     "sweep_matmul": matmul_sweep,
     "sweep_rms_norm": rms_norm_sweep,
+    "sweep_bandwidth": bandwidth_sweep,
 }
 
 

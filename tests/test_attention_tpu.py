@@ -348,15 +348,18 @@ def test_tpu_interpret_key_sub_steps(fused_dq_bytes, extra):
 
 
 # 32-row query blocks, 16-key blocks: below the diagonal whole blocks that
-# every query sees, on it blocks that cross it, above it blocks skipped; L !=
-# S and both ragged, so the last blocks are part padding.
+# every query sees, on it blocks that cross it, above it blocks skipped (the
+# grids walk only the listed visible steps); L != S and both ragged, so the
+# last blocks are part padding.
 TPU_CAUSAL = AttentionConfig(Body.PIPELINED, block_q=32, block_k=16,
-                             head_multiple=attention_blocks.LANES, fused_dq_bytes=2**20)
+                             head_multiple=attention_blocks.LANES)
 
 
-def test_tpu_interpret_causal_full_and_diagonal_blocks():
+@pytest.mark.parametrize("fused_dq_bytes", FUSED_DQ.values(), ids=FUSED_DQ.keys())
+def test_tpu_interpret_causal_full_and_diagonal_blocks(fused_dq_bytes):
     case = make_case(b=2, hq=2, hkv=1, l=50, s=90, e=8, causal=True, dtype=torch.bfloat16)
-    check("tpu_interpret", case, config=TPU_CAUSAL, detect_races=True)
+    config = dataclasses.replace(TPU_CAUSAL, fused_dq_bytes=fused_dq_bytes)
+    check("tpu_interpret", case, config=config, detect_races=True)
 
 
 # 16 x 16 blocks: the span tables in SMEM pick the few blocks each query

@@ -263,6 +263,9 @@ REALISTIC: dict[str, list[Case]] = {
     "attention": [
         Case("B2 H8 L2048 D128 causal", _attention()),
         Case("B2 H8/2 L2048 D128 causal GQA", _attention(hkv=2), exhaustive=True),
+        # dq's float32 rows of 8 query heads (128 MiB) past the VMEM: dq apart
+        Case("B1 H32/4 L16384 D128 causal GQA", _attention(b=1, hq=32, hkv=4, length=16384),
+             exhaustive=True),
         Case("B2 H8 L2048 D128 window (512, 0)", _attention(causal=False, window_size=(512, 0)),
              exhaustive=True),
         # a query block wide: the diagonal key block first, maxima unguarded

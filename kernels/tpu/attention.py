@@ -117,31 +117,24 @@ def pipelined_kernel(q_hbm, k_hbm, v_hbm, *refs, m_vmem, l_vmem, acc_vmem, scale
     if spans:
         pltpu.sync_copy(blocks_hbm, table)
 
-    def last_visible(i):  # a causal query block's last key block
-        return jnp.minimum((i * bq + bq - 1) // bk, sp // bk - 1)
-
     def kv_step(i, j):
         if spans:  # the j-th block the query block reaches; past them the last again
             return blocks_.reached(table, i, j, i * bq // bk if diagonal_first else None)
         # a skipped causal block repeats the last visible one
-        return jnp.minimum(j, last_visible(i)) if causal else j
+        return jnp.minimum(j, blocks_.last_key_block(i, bq, bk, sp)) if causal else j
 
     def blocks_at(*step):
         """(query block, key block) of a grid step's last indices."""
         if steps is not None:
-            return steps[2 * step[0]], steps[2 * step[0] + 1]
+            return blocks_.listed_pair(steps, step[0])
         return step[0], kv_step(*step)
 
     def body(q_ref, k_ref, v_ref, *rest):
         mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-2], row_blocks, dropout_p)
         o_ref, lse_ref = rest[-2:]
         # Global block indices (emit_pipeline adds the core's offset).
-        step = tuple(pl.program_id(d) for d in range(2, len(grid)))
-        i, kb = blocks_at(*step)
-        if steps is not None:  # every step listed is visible; key block 0 comes first
-            first, last = kb == 0, kb == last_visible(i)
-        else:
-            first, last = step[1] == 0, step[1] == grid[3] - 1
+        step, i, kb, first, last = blocks_.query_block_step(grid, blocks_at, steps is not None,
+                                                            bq, bk, sp)
 
         @pl.when(first)
         def _():

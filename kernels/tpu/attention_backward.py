@@ -27,9 +27,11 @@ with `pltpu.emit_pipeline`, each TensorCore owning what it writes:
 
 Causal, the dk/dv grid walks only the (key block, query head, query block)
 steps with a row that sees the key block, listed in SMEM (causal_key_steps),
-as the forward's does; the dq kernel, and dk/dv with spans or too many
-steps to list, skip the blocks no query of the block can see (no compute;
-their index maps repeat a visible block, so nothing is fetched).
+and the dq kernel's the visible (query block, key block) pairs, as the
+forward's does (causal_steps); where the steps do not divide among the
+TensorCores, with spans or with too many steps to list, the blocks no query
+of the block can see are skipped (no compute; their index maps repeat a
+visible block, so nothing is fetched).
 The mask is read block by block, broadcast axes mapped to block 0; ragged L
 and S are padded once outside (padded keys masked inside, padded query rows
 given lse = +inf, hence p = 0).
@@ -240,16 +242,26 @@ def dkdv_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dk_vmem,
 
 def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, scale, causal,
               kv_len, group, block_q, block_k, num_cores, dropout_p=0.0, spans=False,
-              table=None, softcap=0.0, window=None):
+              table=None, softcap=0.0, window=None, steps=None):
     """Inputs as dkdv_kernel's, the span table each query block's key
     blocks (2, Lp / bq); output dq like q; a float32 accumulator. The
-    spans' `window` as in the forward."""
+    spans' `window` as in the forward. With the SMEM scratch `steps`
+    (causal, no spans), as the forward's, the grid's last axis walks the
+    visible (query block, key block) pairs listed in the last input
+    (blocks_.causal_steps)."""
     *ins, dq_hbm = refs
+    if steps is not None:
+        *ins, steps_hbm = ins
+        pltpu.sync_copy(steps_hbm, steps)
     mask_hbm, spans_hbm, blocks_hbm, keys_hbm = blocks_.split_operands(ins, spans, dropout_p)
     batch, q_heads, lp, e = q_hbm.shape
     sp, ev = k_hbm.shape[2], v_hbm.shape[3]
     bq, bk = block_q, block_k
-    grid = (batch, q_heads, lp // bq, blocks_.window_reach(window, lp // bq, bq, bk, sp // bk))
+    if steps is not None:
+        grid = (batch, q_heads, steps.shape[0] // 2)
+    else:
+        grid = (batch, q_heads, lp // bq,
+                blocks_.window_reach(window, lp // bq, bq, bk, sp // bk))
     row_blocks = spans and window is None
     if spans:
         pltpu.sync_copy(blocks_hbm, table)
@@ -258,16 +270,22 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
         if spans:  # the j-th key block the query block reaches
             return blocks_.reached(table, i, j)
         # a skipped causal block repeats the last visible one
-        return jnp.minimum(j, jnp.minimum((i * bq + bq - 1) // bk, grid[3] - 1)) if causal else j
+        return jnp.minimum(j, blocks_.last_key_block(i, bq, bk, sp)) if causal else j
+
+    def blocks_at(*step):
+        """(query block, key block) of a grid step's last indices."""
+        if steps is not None:
+            return blocks_.listed_pair(steps, step[0])
+        return step[0], kv_block(*step)
 
     def body(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest):
         mask_ref, spans_ref, keys_ref = blocks_.split_blocks(rest[:-1], row_blocks, dropout_p)
         dq_ref = rest[-1]
         # Global block indices (emit_pipeline adds the core's offset).
-        i, j = pl.program_id(2), pl.program_id(3)
-        kj = kv_block(i, j)
+        step, i, kj, first, last = blocks_.query_block_step(grid, blocks_at, steps is not None,
+                                                            bq, bk, sp)
 
-        @pl.when(j == 0)
+        @pl.when(first)
         def _():
             dq_vmem[...] = jnp.zeros_like(dq_vmem)
 
@@ -287,29 +305,32 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
             ds = _uncapped(p * (dp - delta_ref[...]), cap)
             dq_vmem[...] += scale * dot(ds.astype(k.dtype), k, (1, 0))
 
-        if spans:
-            pl.when(table[0, i] + j < table[1, i])(update)
+        if steps is not None:
+            update()
+        elif spans:
+            pl.when(table[0, i] + step[1] < table[1, i])(update)
         elif causal:
-            pl.when(j * bk <= i * bq + bq - 1)(update)
+            pl.when(step[1] * bk <= i * bq + bq - 1)(update)
         else:
             update()
 
-        @pl.when(j == grid[3] - 1)
+        @pl.when(last)
         def _():
             dq_ref[...] = dq_vmem[...].astype(dq_ref.dtype)
 
     def row_spec(width):
-        return pl.BlockSpec((None, None, bq, width), lambda b, h, i, j: (b, h, i, 0))
+        return pl.BlockSpec((None, None, bq, width),
+                            lambda b, h, *step: (b, h, blocks_at(*step)[0], 0))
 
     def kv_spec(width):
         return pl.BlockSpec((None, None, bk, width),
-                            lambda b, h, i, j: (b, h // group, kv_block(i, j), 0))
+                            lambda b, h, *step: (b, h // group, blocks_at(*step)[1], 0))
 
     in_specs = [row_spec(e), kv_spec(e), kv_spec(ev), row_spec(ev), row_spec(1), row_spec(1)]
     operands = [q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm]
     if mask_hbm is not None:
-        def mask_index(b, h, i, j):
-            return (*blocks_.mask_block_index(mask_hbm.shape, b, h), i, kv_block(i, j))
+        def mask_index(b, h, *step):
+            return (*blocks_.mask_block_index(mask_hbm.shape, b, h), *blocks_at(*step))
 
         in_specs.append(pl.BlockSpec((None, None, bq, bk), mask_index))
         operands.append(mask_hbm)
@@ -321,7 +342,7 @@ def dq_kernel(q_hbm, k_hbm, v_hbm, do_hbm, lse_hbm, delta_hbm, *refs, dq_vmem, s
         operands.append(keys_hbm)
     pltpu.emit_pipeline(
         body, grid=grid, in_specs=in_specs, out_specs=[row_spec(e)],
-        **pipeline_core_split(num_cores, parallel_dims=3),
+        **pipeline_core_split(num_cores, parallel_dims=len(grid) - 1),
     )(*operands, dq_hbm)
 
 
@@ -373,9 +394,16 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *,
     if spans is not None:
         dq_tables = (spans, blocks_.span_blocks(spans, bq, bk))
         dq_scratch["table"] = pltpu.SMEM(dq_tables[1].shape, jnp.int32)
+    dq_operands = _operands(lay, q, k, v, do, lse, delta, mask, keys, dq_tables)
+    steps = None
+    if causal and spans is None and (dims.batch * dims.q_heads) % num_cores == 0:
+        steps = blocks_.causal_steps(lay.lp // bq, bq, bk, lay.sp // bk)
+    if steps is not None:
+        dq_scratch["steps"] = pltpu.SMEM(steps.shape, jnp.int32)
+        dq_operands.append(steps)
     dq_only = run(functools.partial(dq_kernel, **static),
                   out_type=lay.row_type(lay.e, q.dtype), scratch_types=dq_scratch)
-    dq = dq_only(*_operands(lay, q, k, v, do, lse, delta, mask, keys, dq_tables))
+    dq = dq_only(*dq_operands)
     return _results(lay, dq, *grads)
 
 

@@ -400,6 +400,31 @@ def causal_key_steps(k_blocks: int, block_k: int, block_q: int, q_blocks: int, g
                     for i in range(min(j * block_k // block_q, q_blocks - 1), q_blocks)])
 
 
+def listed_pair(steps, t):
+    """The t-th (query block, key block) pair of causal_steps' list (in SMEM)."""
+    return steps[2 * t], steps[2 * t + 1]
+
+
+def last_key_block(i, block_q: int, block_k: int, padded_kv_len: int):
+    """The last key block a causal query block i sees (traced)."""
+    return jnp.minimum((i * block_q + block_q - 1) // block_k, padded_kv_len // block_k - 1)
+
+
+def query_block_step(grid, blocks_at, listed: bool, block_q: int, block_k: int,
+                     padded_kv_len: int):
+    """Where a query-block-major grid (the forward's, dq's: a query block
+    resident, its key blocks streaming) is, inside its body: (the step's
+    last indices, query block, key block, whether it is the block's first
+    step, its last). `blocks_at` maps the last indices to the blocks; with
+    `listed` causal steps (causal_steps) every step is visible and key
+    block 0 comes first."""
+    step = tuple(pl.program_id(d) for d in range(2, len(grid)))
+    i, kb = blocks_at(*step)
+    if listed:
+        return step, i, kb, kb == 0, kb == last_key_block(i, block_q, block_k, padded_kv_len)
+    return step, i, kb, step[1] == 0, step[1] == grid[3] - 1
+
+
 def _listed(steps):
     """Steps (tuples of block indices) flattened into one int32 array for
     SMEM; None where there are more than MAX_LISTED_STEPS."""

@@ -15,7 +15,8 @@ running row maximum m, denominator l and float32 accumulator acc (VMEM
 scratch) are rescaled by exp(m_old - m_new) and updated; the last key block
 writes o = acc / l and lse = m + log l. Causal, the grid walks only the
 (query block, key block) pairs below the diagonal, listed in SMEM
-(`causal_steps`; 36 of a head's 64 at L = 8192 in 1024-blocks); where there
+(`causal_steps`; 36 of a head's 64 at L = 8192 in 1024-blocks) where the
+(batch, head) pairs divide among the TensorCores; otherwise, where there
 are too many to list, and with spans, blocks wholly out of reach are
 skipped: their body does nothing, and their key/value/mask index maps repeat
 the last visible block, so the pipeline fetches nothing new. A sliding
@@ -237,8 +238,10 @@ def pipelined_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p,
         tables = (spans, blocks_.span_blocks(spans, bq, bk))
         scratch["table"] = pltpu.SMEM(tables[1].shape, jnp.int32)
     operands = _operands(lay, q, k, v, mask, keys, tables)
-    steps = (blocks_.causal_steps(lay.lp // bq, bq, bk, lay.sp // bk)
-             if causal and spans is None else None)
+    steps = None
+    # listed, only (B, Hq) split across the TensorCores: where they divide
+    if causal and spans is None and (dims.batch * dims.q_heads) % num_cores == 0:
+        steps = blocks_.causal_steps(lay.lp // bq, bq, bk, lay.sp // bk)
     if steps is not None:
         scratch["steps"] = pltpu.SMEM(steps.shape, jnp.int32)
         operands.append(steps)

@@ -238,13 +238,10 @@ def pipelined_attention(q, k, v, mask, spans, keys, *, scale, causal, dropout_p,
         tables = (spans, blocks_.span_blocks(spans, bq, bk))
         scratch["table"] = pltpu.SMEM(tables[1].shape, jnp.int32)
     operands = _operands(lay, q, k, v, mask, keys, tables)
-    steps = None
-    # listed, only (B, Hq) split across the TensorCores: where they divide
-    if causal and spans is None and (dims.batch * dims.q_heads) % num_cores == 0:
-        steps = blocks_.causal_steps(lay.lp // bq, bq, bk, lay.sp // bk)
-    if steps is not None:
-        scratch["steps"] = pltpu.SMEM(steps.shape, jnp.int32)
-        operands.append(steps)
+    if causal and spans is None:
+        blocks_.add_listed_steps(
+            scratch, operands, lambda: blocks_.causal_steps(lay.lp // bq, bq, bk, lay.sp // bk),
+            pairs=dims.batch * dims.q_heads, num_cores=num_cores)
     o, lse = pl.kernel(
         functools.partial(pipelined_kernel, scale=scale, causal=causal, kv_len=dims.kv_len,
                           group=dims.group, num_cores=num_cores, block_k=bk,

@@ -377,12 +377,11 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *,
     run = functools.partial(chip.kernel, mesh=tensorcore_mesh(num_cores), interpret=interpret,
                             vmem_limit=config.vmem_limit)
     dkdv_operands = _operands(lay, q, k, v, do, lse, delta, mask, keys, dkdv_tables)
-    steps = None
-    if causal and spans is None and (dims.batch * dims.kv_heads) % num_cores == 0:
-        steps = blocks_.causal_key_steps(lay.sp // bk, bk, bq, lay.lp // bq, dims.group)
-    if steps is not None:
-        dkdv_scratch["steps"] = pltpu.SMEM(steps.shape, jnp.int32)
-        dkdv_operands.append(steps)
+    if causal and spans is None:
+        blocks_.add_listed_steps(
+            dkdv_scratch, dkdv_operands,
+            lambda: blocks_.causal_key_steps(lay.sp // bk, bk, bq, lay.lp // bq, dims.group),
+            pairs=dims.batch * dims.kv_heads, num_cores=num_cores)
     dkdv = run(functools.partial(dkdv_kernel, **static,
                                  block_k_compute=blocks_.compute_block(config, bk)),
                out_type=dkdv_out, scratch_types=dkdv_scratch)
@@ -395,12 +394,11 @@ def pipelined_backward(q, k, v, do, lse, delta, mask, spans, key_spans, keys, *,
         dq_tables = (spans, blocks_.span_blocks(spans, bq, bk))
         dq_scratch["table"] = pltpu.SMEM(dq_tables[1].shape, jnp.int32)
     dq_operands = _operands(lay, q, k, v, do, lse, delta, mask, keys, dq_tables)
-    steps = None
-    if causal and spans is None and (dims.batch * dims.q_heads) % num_cores == 0:
-        steps = blocks_.causal_steps(lay.lp // bq, bq, bk, lay.sp // bk)
-    if steps is not None:
-        dq_scratch["steps"] = pltpu.SMEM(steps.shape, jnp.int32)
-        dq_operands.append(steps)
+    if causal and spans is None:
+        blocks_.add_listed_steps(
+            dq_scratch, dq_operands,
+            lambda: blocks_.causal_steps(lay.lp // bq, bq, bk, lay.sp // bk),
+            pairs=dims.batch * dims.q_heads, num_cores=num_cores)
     dq_only = run(functools.partial(dq_kernel, **static),
                   out_type=lay.row_type(lay.e, q.dtype), scratch_types=dq_scratch)
     dq = dq_only(*dq_operands)

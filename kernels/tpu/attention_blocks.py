@@ -32,6 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from torch_pallas.kernels.attention_shapes import AttentionDims
 from torch_pallas.kernels.padding import pad_to
@@ -423,6 +424,21 @@ def query_block_step(grid, blocks_at, listed: bool, block_q: int, block_k: int,
     if listed:
         return step, i, kb, kb == 0, kb == last_key_block(i, block_q, block_k, padded_kv_len)
     return step, i, kb, step[1] == 0, step[1] == grid[3] - 1
+
+
+def add_listed_steps(scratch: dict, operands: list, make_steps, *, pairs: int,
+                     num_cores: int) -> None:
+    """A causal grid's listed steps (make_steps(): causal_steps or
+    causal_key_steps, None where too many) as the kernel's SMEM scratch
+    `steps` and its last operand, where the grid's `pairs` (batch, head)
+    pairs, all a listed grid splits across the TensorCores, divide among
+    them; else nothing (the kernel then skips the masked blocks)."""
+    if pairs % num_cores:
+        return
+    steps = make_steps()
+    if steps is not None:
+        scratch["steps"] = pltpu.SMEM(steps.shape, jnp.int32)
+        operands.append(steps)
 
 
 def _listed(steps):

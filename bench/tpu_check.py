@@ -395,15 +395,18 @@ def grouped_mm_case(rows: int, k: int, n: int, groups: int = 8):
         work=2 * flops, unit="TFLOP/s", goal=">= 1.0x megablox, >= 1.0x ragged_dot")
 
 
-def rows_case(name: str, call, reference, arrays: list, moved_bytes: float):
-    """A memory-bound op's forward kernel against its fused jnp expression."""
+def rows_case(name: str, call, reference, copy, arrays: list, moved_bytes: float):
+    """A memory-bound op's forward kernel against its fused jnp expression
+    and against `copy`, the plainest XLA program that reads and writes the
+    same arrays (the chip's ceiling for those bytes: sweep_bandwidth)."""
     calls = record(call)
     f_fns, f_args = ours(calls[:1])
-    t = compare({**f_fns, "xla (jnp)": reference},
-                {**f_args, "xla (jnp)": [np.asarray(bridge.to_kernel_argument(a.detach()))
-                                         for a in arrays]})
+    jnp_args = [np.asarray(bridge.to_kernel_argument(a.detach())) for a in arrays]
+    t = compare({**f_fns, "xla (jnp)": reference, "xla copy": copy},
+                {**f_args, "xla (jnp)": jnp_args, "xla copy": jnp_args})
     mine = None if COMPILE_ONLY else t[next(iter(f_fns))]
-    row(f"{name} ({calls[0]['config']})", mine, {"xla (jnp)": t["xla (jnp)"]},
+    row(f"{name} ({calls[0]['config']})", mine,
+        {"xla (jnp)": t["xla (jnp)"], "xla copy, the same bytes": t["xla copy"]},
         work=moved_bytes, unit="GB/s", goal=">= 85% of 819 GB/s, >= 1.0x xla")
 
 
@@ -426,13 +429,16 @@ def memory_bound_cases(n: int = 8192):
         return (gf * jax.nn.sigmoid(gf) * u.astype(jnp.float32)).astype(g.dtype)
 
     size = 2.0 * n * n  # bytes of one bf16 (n, n)
+    def scaled(x, *vectors):  # reads x (the vectors are small), writes as much
+        return x * 2
+
     rows_case(f"rms_norm bf16 {n}x{n}", lambda: torch_pallas.rms_norm(x, (n,), w, eps=1e-6),
-              rms, [x, w], 2 * size)
+              rms, scaled, [x, w], 2 * size)
     rows_case(f"layer_norm bf16 {n}x{n}", lambda: torch_pallas.layer_norm(x, (n,), w, b),
-              layer, [x, w, b], 2 * size)
+              layer, scaled, [x, w, b], 2 * size)
     g, u = rand(n, n), rand(n, n)
-    rows_case(f"swiglu bf16 {n}x{n}", lambda: torch_pallas.swiglu(g, u), swiglu, [g, u],
-              3 * size)
+    rows_case(f"swiglu bf16 {n}x{n}", lambda: torch_pallas.swiglu(g, u), swiglu,
+              lambda g, u: g + u, [g, u], 3 * size)
     heads, length, dim = 32, n // 4, 128
     q, k = rand(1, heads, length, dim), rand(1, heads, length, dim)
     cos, sin = rand(1, length, dim), rand(1, length, dim)
@@ -445,7 +451,8 @@ def memory_bound_cases(n: int = 8192):
         return ((q * c + rot(q) * s).astype(q.dtype), (k * c + rot(k) * s).astype(k.dtype))
 
     rows_case(f"rotary_embedding bf16 q,k (1, {heads}, {length}, {dim})",
-              lambda: torch_pallas.rotary_embedding(q, k, cos, sin), rotary, [q, k, cos, sin],
+              lambda: torch_pallas.rotary_embedding(q, k, cos, sin), rotary,
+              lambda q, k, c, s: (q * 2, k * 2), [q, k, cos, sin],
               4 * 2.0 * heads * length * dim)
 
 
@@ -550,7 +557,7 @@ def attention_sweep():
 
 
 def window_sweep():
-    """A sliding window of 1024 keys at L8192, around the chosen 1024 x 1024:
+    """A sliding window of 1024 keys at L8192, around the chosen 512 x 512:
     1024-blocks visit 2048 keys a query block, 512-blocks 1536 in three times
     the steps (v5e's schedule: a 512 x 512 body 1134 bundles, a 1024 x 1024
     one 4660)."""

@@ -500,6 +500,29 @@ def test_chip_config_sub_steps():
     assert chosen({}, backward=True) == compute["backward"]
 
 
+def test_chip_config_narrow_window_blocks():
+    """A window at most NARROW_WINDOW_KEYS wide takes blocks no larger than
+    NARROW_WINDOW_BLOCKS, forward and backward; a wider or one-sided one,
+    and a heavier load's smaller blocks, keep the load's."""
+    narrow = attention_blocks.NARROW_WINDOW_BLOCKS
+
+    def blocks(window, dtype="bfloat16", backward=False):
+        params = {"scale": 0.1, "causal": False, "spans": True, "window": window}
+        c = attention_blocks.chip_config(dtype, params, masked=False, backward=backward)
+        return c.block_q, c.block_k, c.block_k_compute
+
+    widest = attention_blocks.NARROW_WINDOW_KEYS
+    for backward in (False, True):
+        assert blocks((widest - 1, 0), backward=backward)[:2] == narrow
+        assert blocks((widest // 2 - 1, widest // 2), backward=backward)[:2] == narrow
+        assert blocks((widest, 0), backward=backward)[:2] == (1024, 1024)
+        assert blocks((5, -1), backward=backward)[:2] == (1024, 1024)
+    # v5e's L8192 window of 1024 keys: every row sees its diagonal block's
+    # first key, so the forward takes the whole 512 keys at once, unguarded
+    assert blocks((1023, 0)) == (512, 512, 512)
+    assert blocks((1023, 0), "float32", backward=True)[:2] == (512, 512)
+
+
 def test_window_reach():
     """The blocks a window reaches, from query blocks (keys) and, mirrored,
     from key blocks (query rows), against a count over every row's keys."""

@@ -91,6 +91,16 @@ def unsupported(backend: str, avals, params) -> str | None:
 # backward); 256 x 512 for more.
 CHIP_BLOCKS_BY_LOAD = {1: (1024, 1024), 2: (1024, 1024), 3: (512, 1024), 4: (512, 512)}
 CHIP_BLOCKS_HEAVIEST = (256, 512)
+# A sliding window at most NARROW_WINDOW_KEYS wide (left + right + 1) in
+# blocks of at most NARROW_WINDOW_BLOCKS: a query block of 1024 visits 2048
+# keys for its 1024, one of 512 visits 1536 in three steps. v5e, window
+# (1023, 0), bfloat16 B1 H16 L8192 D128 (ms, bench/tpu_check.py's
+# sweep_attention_window, 2026-12-07): forward / backward 1024 x 1024 (512
+# keys a sub-step) 1.207 / 2.356, 512 x 512 1.169 / 2.161, 512 x 1024 1.286
+# / 2.433, 1024 x 512 1.298 / 2.511 (splash at its fastest: 1.166 forward).
+# Wider windows keep the load's blocks (not measured).
+NARROW_WINDOW_KEYS = 1024
+NARROW_WINDOW_BLOCKS = (512, 512)
 # Keys a key block's scores are made at a time (forward, backward's dk/dv).
 # v5e, causal bfloat16 D128, 1024 x 1024 blocks, B2 H16 L4096 / B1 H16
 # L8192 (ms, bench/tpu_check.py's sweep, 2026-12-06). Forward: all 1024 at
@@ -116,18 +126,21 @@ def chip_config(dtype: str, params, *, masked: bool, backward: bool,
                 device=None) -> "AttentionConfig":
     """The chip's blocks for a kernel of this load (CHIP_BLOCKS_BY_LOAD), by
     its kernel parameters (`params`: the rows' spans read block by block
-    unless they are a window's, which come from the indices; a softcap);
-    the backward's fused dq takes what VMEM the chip has beyond the blocks'
+    unless they are a window's, which come from the indices; a softcap),
+    no larger than NARROW_WINDOW_BLOCKS for a narrow window; the backward's fused dq takes what VMEM the chip has beyond the blocks'
     16 MiB (chip.vmem_limit; none where the chip is unknown)."""
     spans = bool(params.get("spans"))
     row_spans = spans and "window" not in params
     load = ((1 if dtype == "bfloat16" else 2) + masked + backward + row_spans
             + bool(params.get("softcap")))
     block_q, block_k = CHIP_BLOCKS_BY_LOAD.get(load, CHIP_BLOCKS_HEAVIEST)
+    window = params["window"] if spans and not row_spans else None
+    if window is not None and min(window) >= 0 and sum(window) + 1 <= NARROW_WINDOW_KEYS:
+        block_q, block_k = (min(b, n) for b, n in zip((block_q, block_k), NARROW_WINDOW_BLOCKS))
     # The forward's maxima need no guard where a row's first sub-step has a
     # key it sees (no mask; no spans, or a window's, its diagonal block first).
     unguarded = not masked and (not spans or (
-        not row_spans and rows_see_diagonal_key(params["window"],
+        not row_spans and rows_see_diagonal_key(window,
                                                 block_k // math.gcd(block_q, block_k),
                                                 block_q, block_k)))
     compute = CHIP_K_COMPUTE["backward" if backward else

@@ -557,21 +557,24 @@ def attention_sweep():
 
 
 def window_sweep():
-    """A sliding window of 1024 keys at L8192, around the chosen 512 x 512:
-    1024-blocks visit 2048 keys a query block, 512-blocks 1536 in three times
-    the steps (v5e's schedule: a 512 x 512 body 1134 bundles, a 1024 x 1024
-    one 4660)."""
+    """Sliding windows of 1024, 2048 and 4096 keys at L8192 in blocks around
+    the chosen ones (attention_blocks.NARROW_WINDOW_BLOCKS up to 1024 keys):
+    for a window of 1024, 1024-blocks visit 2048 keys a query block,
+    512-blocks 1536 in three times the steps (v5e's schedule: a 512 x 512
+    body 1134 bundles, a 1024 x 1024 one 4660)."""
     q, k, v = (rand(1, 16, 8192, 128, grad=True) for _ in range(3))
+    around = ((512, 512, None), (1024, 1024, 512), (512, 1024, 512))
+    smaller = ((1024, 512, None), (512, 512, 256), (256, 512, None), (512, 256, None),
+               (256, 256, None))
+    for span in (1024, 2048, 4096):
+        def window_step(span=span):
+            out = torch_pallas.attention(q, k, v, window_size=(span - 1, 0))
+            out.backward(torch.ones_like(out))
 
-    def window_step():
-        out = torch_pallas.attention(q, k, v, window_size=(1023, 0))
-        out.backward(torch.ones_like(out))
-
-    sweep("attention window 1024 B1 H16 L8192", record(window_step), {
-        f"{bq}x{bk} compute {bkc}": (lambda c, bq=bq, bk=bk, bkc=bkc: dataclasses.replace(
-            c, block_q=bq, block_k=bk, block_k_compute=bkc))
-        for bq, bk, bkc in ((1024, 1024, 512), (1024, 1024, 256), (512, 512, None),
-                            (512, 1024, 512), (1024, 512, None), (512, 512, 256))})
+        sweep(f"attention window {span} B1 H16 L8192", record(window_step), {
+            f"{bq}x{bk} compute {bkc}": (lambda c, bq=bq, bk=bk, bkc=bkc: dataclasses.replace(
+                c, block_q=bq, block_k=bk, block_k_compute=bkc))
+            for bq, bk, bkc in around + (smaller if span == 1024 else ())})
 
 
 def grouped_mm_sweep():

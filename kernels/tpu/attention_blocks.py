@@ -98,7 +98,9 @@ CHIP_BLOCKS_HEAVIEST = (256, 512)
 # sweep_attention_window, 2026-12-07): forward / backward 1024 x 1024 (512
 # keys a sub-step) 1.207 / 2.356, 512 x 512 1.169 / 2.161, 512 x 1024 1.286
 # / 2.433, 1024 x 512 1.298 / 2.511 (splash at its fastest: 1.166 forward).
-# Wider windows keep the load's blocks (not measured).
+# Wider windows keep the load's blocks: 2048 keys 1.646 / 3.164 in
+# 512-blocks against 1.554 / 3.131 in 1024-blocks, 4096 keys 2.442 / 4.761
+# against 2.108 / 4.364.
 NARROW_WINDOW_KEYS = 1024
 NARROW_WINDOW_BLOCKS = (512, 512)
 # Keys a key block's scores are made at a time (forward, backward's dk/dv).
@@ -127,8 +129,9 @@ def chip_config(dtype: str, params, *, masked: bool, backward: bool,
     """The chip's blocks for a kernel of this load (CHIP_BLOCKS_BY_LOAD), by
     its kernel parameters (`params`: the rows' spans read block by block
     unless they are a window's, which come from the indices; a softcap),
-    no larger than NARROW_WINDOW_BLOCKS for a narrow window; the backward's fused dq takes what VMEM the chip has beyond the blocks'
-    16 MiB (chip.vmem_limit; none where the chip is unknown)."""
+    no larger than NARROW_WINDOW_BLOCKS for a narrow window; the backward's
+    fused dq takes what VMEM the chip has beyond the blocks' 16 MiB
+    (chip.vmem_limit; none where the chip is unknown)."""
     spans = bool(params.get("spans"))
     row_spans = spans and "window" not in params
     load = ((1 if dtype == "bfloat16" else 2) + masked + backward + row_spans

@@ -429,6 +429,7 @@ def memory_bound_cases(n: int = 8192):
         return (gf * jax.nn.sigmoid(gf) * u.astype(jnp.float32)).astype(g.dtype)
 
     size = 2.0 * n * n  # bytes of one bf16 (n, n)
+
     def scaled(x, *vectors):  # reads x (the vectors are small), writes as much
         return x * 2
 

@@ -18,6 +18,7 @@ from attention_reference import bound, make_case, torch_error
 from torch_pallas.kernels.tpu import attention_blocks
 from torch_pallas.kernels.tpu.attention_blocks import AttentionConfig, Body
 from torch_pallas.base import dtypes, jax_env
+from torch_pallas.ops import attention as attention_op
 from torch_pallas.runtime import backends, bridge, registry, simulators
 
 FORWARD = "torch_pallas.kernels.tpu.attention"
@@ -507,7 +508,9 @@ def test_chip_config_narrow_window_blocks():
     narrow = attention_blocks.NARROW_WINDOW_BLOCKS
 
     def blocks(window, dtype="bfloat16", backward=False):
-        params = {"scale": 0.1, "causal": False, "spans": True, "window": window}
+        params = attention_op.kernel_params(
+            0.1, False, spans=True, window=window,
+            span_width=attention_op.span_width(False, *window))
         c = attention_blocks.chip_config(dtype, params, masked=False, backward=backward)
         return c.block_q, c.block_k, c.block_k_compute
 

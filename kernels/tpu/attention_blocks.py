@@ -91,7 +91,7 @@ def unsupported(backend: str, avals, params) -> str | None:
 # backward); 256 x 512 for more.
 CHIP_BLOCKS_BY_LOAD = {1: (1024, 1024), 2: (1024, 1024), 3: (512, 1024), 4: (512, 512)}
 CHIP_BLOCKS_HEAVIEST = (256, 512)
-# A sliding window at most NARROW_WINDOW_KEYS wide (left + right + 1) in
+# A sliding window at most NARROW_WINDOW_KEYS wide (its span_width) in
 # blocks of at most NARROW_WINDOW_BLOCKS: a query block of 1024 visits 2048
 # keys for its 1024, one of 512 visits 1536 in three steps. v5e, window
 # (1023, 0), bfloat16 B1 H16 L8192 D128 (ms, bench/tpu_check.py's
@@ -138,8 +138,9 @@ def chip_config(dtype: str, params, *, masked: bool, backward: bool,
             + bool(params.get("softcap")))
     block_q, block_k = CHIP_BLOCKS_BY_LOAD.get(load, CHIP_BLOCKS_HEAVIEST)
     window = params["window"] if spans and not row_spans else None
-    if window is not None and min(window) >= 0 and sum(window) + 1 <= NARROW_WINDOW_KEYS:
-        block_q, block_k = (min(b, n) for b, n in zip((block_q, block_k), NARROW_WINDOW_BLOCKS))
+    if window is not None and 0 < params.get("span_width", 0) <= NARROW_WINDOW_KEYS:
+        block_q = min(block_q, NARROW_WINDOW_BLOCKS[0])
+        block_k = min(block_k, NARROW_WINDOW_BLOCKS[1])
     # The forward's maxima need no guard where a row's first sub-step has a
     # key it sees (no mask; no spans, or a window's, its diagonal block first).
     unguarded = not masked and (not spans or (

@@ -19,7 +19,8 @@ if __name__ == "kernels":
     # `python -m pytest` or a notebook started there), where it would stand
     # in for the installed distribution of that name (Hugging Face's, which
     # transformers 5 imports). Step aside: load that distribution from the
-    # rest of sys.path in our place, or be missing as it is.
+    # rest of sys.path in our place, or be an empty namespace as a folder
+    # that is not a package would be.
     import importlib.machinery
     import importlib.util
     import os
@@ -32,10 +33,16 @@ if __name__ == "kernels":
 
     _spec = importlib.machinery.PathFinder.find_spec(__name__, _outside_this_checkout())
     if _spec is None:
-        raise ModuleNotFoundError(
-            f"No module named {__name__!r} (the {os.path.dirname(__file__)} folder on sys.path "
-            "is torch_pallas.kernels, not the `kernels` distribution)", name=__name__)
+        # No distribution: what Python makes of a folder that is not a
+        # package, an empty namespace (PEP 420), here with nothing below it
+        # (`kernels.triton` is not found). Raising instead would break the
+        # libraries that probe for the distribution by importing it once
+        # find_spec answers (transformers 5.17 does, and takes a module
+        # without __file__ or __version__ for a stray namespace, as absent).
+        _spec = importlib.machinery.ModuleSpec(__name__, None, is_package=True)
+        _spec.submodule_search_locations = []
     _distribution = importlib.util.module_from_spec(_spec)
     # The import statement returns what sys.modules holds once this body has run.
     sys.modules[__name__] = _distribution
-    _spec.loader.exec_module(_distribution)
+    if _spec.loader is not None:
+        _spec.loader.exec_module(_distribution)

@@ -38,24 +38,30 @@ def _run_in_the_checkout(code: str, **env) -> subprocess.CompletedProcess:
 def test_the_checkout_root_does_not_shadow_the_kernels_distribution():
     """Started in the checkout, `kernels/` (torch_pallas.kernels) is the first
     `kernels` on sys.path; Hugging Face's distribution of that name, which
-    transformers 5 imports, is loaded in its place, or none is found."""
+    transformers 5 imports, is loaded in its place; without it transformers
+    still imports and finds no `kernels` (5.17 imports whatever find_spec
+    names and reads a module without __file__ as absent)."""
     try:
         importlib.metadata.distribution("kernels")
         installed = True
     except importlib.metadata.PackageNotFoundError:
         installed = False
     done = _run_in_the_checkout(
-        "import transformers.models.llama.modeling_llama, kernels, sys; print(kernels.__file__)")
+        "import transformers.models.llama.modeling_llama, kernels\n"
+        "from transformers.utils import import_utils\n"
+        "print(getattr(kernels, '__file__', None), import_utils.is_kernels_available())")
+    assert done.returncode == 0, done.stderr
+    where, available = done.stdout.split()
     if installed:
-        assert done.returncode == 0, done.stderr
-        assert not Path(done.stdout.strip()).resolve().is_relative_to(ROOT)
+        assert not Path(where).resolve().is_relative_to(ROOT)
     else:
-        assert "ModuleNotFoundError: No module named 'kernels'" in done.stderr
+        assert (where, available) == ("None", "False")
 
 
 def test_the_kernels_folder_steps_aside_for_any_distribution(tmp_path):
     """Whatever `kernels` comes later on sys.path is what `import kernels`
-    gives in the checkout; with none, ModuleNotFoundError (as elsewhere)."""
+    gives in the checkout; with none, an empty namespace, as a folder that
+    is not a package would give, with none of our kernels below it."""
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "__init__.py").write_text("WHO = 'the distribution'\n")
     found = _run_in_the_checkout("import kernels; print(kernels.WHO, kernels.__name__)",
@@ -64,9 +70,12 @@ def test_the_kernels_folder_steps_aside_for_any_distribution(tmp_path):
     hidden = tmp_path / "elsewhere"  # sys.path without any distribution of that name
     hidden.mkdir()
     missing = _run_in_the_checkout(
-        "import sys; sys.path[:] = [p for p in sys.path if 'packages' not in p]; import kernels",
+        "import sys; sys.path[:] = [p for p in sys.path if 'packages' not in p]; import kernels\n"
+        "print(getattr(kernels, '__file__', None), list(kernels.__path__))\n"
+        "import kernels.triton",
         PYTHONPATH=str(hidden))
-    assert "ModuleNotFoundError: No module named 'kernels'" in missing.stderr, missing.stderr
+    assert missing.stdout.split() == ["None", "[]"], missing.stderr
+    assert "ModuleNotFoundError: No module named 'kernels.triton'" in missing.stderr, missing.stderr
 
 
 def test_a_wheel_carries_every_module(tmp_path):

@@ -124,3 +124,34 @@ def test_triton_on_cpu_is_refused_again_once_its_interpreter_is_off(monkeypatch)
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(torch_pallas.BackendError, match="TRITON_INTERPRET"):
             torch.ops.pallas.add(x, y)
+
+
+FIRST_CALL = """
+import torch
+import torch_pallas
+from torch_pallas.base import jax_env
+
+x = torch.randn(37, 29)
+torch.testing.assert_close(torch_pallas.add(x, x), 2 * x)
+print(jax_env.cpu_only_machine(), jax_env.jax().config.jax_platforms)
+"""
+
+
+def test_a_first_call_on_a_machine_without_an_accelerator_starts_no_tpu_runtime():
+    """libtpu, installed with the test extra on every Linux machine, prints
+    its initialization errors when JAX starts it where there is no TPU;
+    there the first kernel starts JAX on the CPU alone, and a machine with
+    an accelerator keeps JAX's own choice."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    done = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    cpu_only, platforms = done.stdout.split()
+    if cpu_only == "True":
+        assert platforms == "cpu"
+        assert "TPU" not in done.stderr and "libtpu" not in done.stderr, done.stderr
+    else:
+        assert platforms == "None"

@@ -6,6 +6,11 @@ registers the torch ops. The first kernel call comes through here, which
 - keeps JAX from preallocating most of a GPU's memory (a torch process must
   never lose its memory to JAX): `XLA_PYTHON_CLIENT_PREALLOCATE=false` unless
   the user already chose a value;
+- keeps a machine with no accelerator quiet: JAX otherwise starts every
+  runtime installed, and libtpu (the test extra's jax[tpu] puts it on every
+  Linux machine) prints its initialization errors in the middle of a user's
+  output where there is no TPU; there JAX gets the CPU alone, unless the
+  user chose its platforms;
 - tells Pallas TPU which TPU the CPU simulates (the TPU backends run on CPU,
   whose device kind TPU code does not know);
 - builds the `interpret=` argument of each simulation backend, compiles
@@ -39,9 +44,39 @@ SIMULATED_TPU_CORES = 2
 
 @functools.cache
 def jax() -> types.ModuleType:
-    """The `jax` module, imported without preallocating GPU memory."""
+    """The `jax` module, imported without preallocating GPU memory, on the
+    CPU alone where the machine has no accelerator (`cpu_only_machine`)."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    return importlib.import_module("jax")
+    module = importlib.import_module("jax")
+    if not module.config.jax_platforms and cpu_only_machine():
+        # Before JAX starts its runtimes: an update after that changes nothing.
+        module.config.update("jax_platforms", "cpu")
+    return module
+
+
+# Device files of the accelerators a JAX runtime could drive: NVIDIA GPUs
+# (WSL2's /dev/dxg), AMD GPUs (/dev/kfd), TPUs (/dev/accel*, /dev/vfio).
+ACCELERATOR_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg", "/dev/kfd", "/dev/accel*",
+                            "/dev/vfio/*")
+GOOGLE_PCI_VENDOR = "0x1ae0"  # a TPU's PCI vendor
+
+
+def cpu_only_machine() -> bool:
+    """Whether this machine has none of the accelerators JAX's runtimes
+    drive: no such device file and no Google PCI device (a TPU). Any sign
+    of one leaves JAX to choose, as it would without torch_pallas."""
+    import glob
+
+    if any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICE_FILES):
+        return False
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == GOOGLE_PCI_VENDOR:
+                    return False
+        except OSError:
+            return False
+    return True
 
 
 @functools.cache

@@ -40,6 +40,7 @@ bench/tpu_compile_report.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -293,6 +294,46 @@ REALISTIC: dict[str, list[Case]] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A kernel family whose builds are recorded and compiled, and how
+    (tests/mosaic_gpu_builds.py defines the Mosaic GPU one; `TPU` is this
+    file's).
+
+    family_backend: a backend whose family these kernels are (the op's
+    kernel for it is the one built); config_backend: the configs' name for
+    the hardware (spec.config, spec.refusal); realistic: op -> its realistic
+    calls; execution: device -> the execution keywords a kernel gets on the
+    hardware (kernels/spec.py); recording: a context manager factory for
+    what recording needs set (a TPU description, TF32 allowed); env: the
+    settings a compiling process needs before JAX starts."""
+
+    name: str
+    family_backend: str
+    config_backend: str
+    realistic: dict
+    execution: Callable
+    recording: Callable
+    env: dict
+
+
+def _tpu_execution(device) -> dict:
+    cores = getattr(device, "num_cores", 1) or 1  # v5e, v6e: one TensorCore a chip
+    return {"interpret": None, "num_cores": cores}
+
+
+@contextlib.contextmanager
+def _tpu_recording():
+    from torch_pallas.base import jax_env
+
+    jax_env.simulate_tpu_on_cpu()  # a TPU description for tracing emit_pipeline on the CPU
+    yield
+
+
+TPU = Family("tpu", FAMILY_BACKEND, CONFIG_BACKEND, REALISTIC, _tpu_execution, _tpu_recording,
+             LIBTPU_ENV)
+
+
 # Ops whose module checks its inputs against another op module's DTYPES.
 DTYPES_OF = {"varlen_attention": "attention"}
 
@@ -311,9 +352,9 @@ def op_dtypes(op: str) -> tuple:
 DEFAULT_DTYPE = "bfloat16"
 
 
-def _realistic_calls(op: str):
-    """(case, dtype, tier) of each realistic call of `op`."""
-    for case in REALISTIC.get(op, ()):
+def _realistic_calls(op: str, family: Family = TPU):
+    """(case, dtype, tier) of each realistic call of `op` for `family`."""
+    for case in family.realistic.get(op, ()):
         dtypes = case.dtypes or op_dtypes(op)
         names = [str(d).removeprefix("torch.") for d in dtypes]
         for dtype, name in zip(dtypes, names):
@@ -321,15 +362,15 @@ def _realistic_calls(op: str):
             yield case, dtype, "default" if first and not case.exhaustive else "exhaustive"
 
 
-def tiers_of(op: str) -> tuple[str, ...]:
+def tiers_of(op: str, family: Family = TPU) -> tuple[str, ...]:
     """The tiers that hold calls of `op`: default always, exhaustive where
     some realistic call is there."""
-    if any(tier == "exhaustive" for *_, tier in _realistic_calls(op)):
+    if any(tier == "exhaustive" for *_, tier in _realistic_calls(op, family)):
         return ("default", "exhaustive")
     return ("default",)
 
 
-def calls(op: str, tier: str) -> list[tuple[str, str | None, Callable]]:
+def calls(op: str, tier: str, family: Family = TPU) -> list[tuple[str, str | None, Callable]]:
     """(case name, dtype name or None, thunk) of every call of `op` in
     `tier`: the examples (each in its own dtypes) in the default tier, then
     the realistic cases in each dtype the op accepts."""
@@ -345,7 +386,7 @@ def calls(op: str, tier: str) -> list[tuple[str, str | None, Callable]]:
             for example in info.examples(torch.device("cpu"), True):
                 _backward(*_as_tuple(info.overload(*example.args, **example.kwargs)))
         out.append(("examples", None, examples))
-    for case, dtype, its_tier in _realistic_calls(op):
+    for case, dtype, its_tier in _realistic_calls(op, family):
         if tier in ("all", its_tier):
             out.append((case.name, str(dtype).removeprefix("torch."),
                         functools.partial(case.call, dtype)))
@@ -377,22 +418,21 @@ class Build:
         return f"{self.kernel}({inputs}) {self.params}"
 
 
-def kernel_spec(kernel: str):
-    """The TPU family's KernelSpec for kernel op `kernel` (varlen_attention
-    calls attention's, which `launch.run` names 'attention')."""
+def kernel_spec(kernel: str, family: Family = TPU):
+    """`family`'s KernelSpec for kernel op `kernel` (varlen_attention calls
+    attention's, which `launch.run` names 'attention')."""
     from torch_pallas.runtime import backends, registry
 
-    return registry.get(kernel).kernel(backends.get(FAMILY_BACKEND))
+    return registry.get(kernel).kernel(backends.get(family.family_backend))
 
 
-def entry(build: Build, device):
+def entry(build: Build, device, family: Family = TPU):
     """The kernel's function of its inputs, configured for the hardware
-    (device: the JAX device built for, or None) as a TPU runs it."""
-    spec = kernel_spec(build.kernel)
-    config = spec.config(CONFIG_BACKEND, build.avals, build.params, device)
-    cores = getattr(device, "num_cores", 1) or 1  # v5e, v6e: one TensorCore a chip
-    return functools.partial(spec.run, **build.params, config=config, interpret=None,
-                             num_cores=cores)
+    (device: the JAX device built for, or None where the configs need
+    none) as the hardware runs it."""
+    spec = kernel_spec(build.kernel, family)
+    config = spec.config(family.config_backend, build.avals, build.params, device)
+    return functools.partial(spec.run, **build.params, config=config, **family.execution(device))
 
 
 class Recorder:
@@ -400,21 +440,24 @@ class Recorder:
     `launch.cpu_kernel`, matmul's shortcuts to it, which then take the
     `run` path): notes each kernel call as a Build and returns zeros shaped
     as its outputs. Shape buckets are off inside, so each call keeps its
-    own sizes."""
+    own sizes. `family`: whose kernels and configs give the outputs' shapes;
+    `device`: the device their configs are chosen for (None: the TPU's need
+    none to record)."""
 
-    def __init__(self, keep_inputs: bool = False):
+    def __init__(self, keep_inputs: bool = False, family: Family = TPU, device=None):
         self.builds: dict[tuple, Build] = {}
         self.case: tuple[str, str | None] = ("", None)
         self._shapes: dict[tuple, object] = {}
         # with keep_inputs: every call in order, (its build, its inputs as
         # NumPy arrays), for running them (bench/tpu_check.py times them)
         self.keep_inputs, self.calls = keep_inputs, []
+        self.family, self.device = family, device
 
     def __enter__(self):
-        from torch_pallas.base import jax_env
         from torch_pallas.runtime import launch, shape_buckets
 
-        jax_env.simulate_tpu_on_cpu()  # a TPU description for tracing emit_pipeline on the CPU
+        self._recording = self.family.recording()
+        self._recording.__enter__()
         self._saved = (launch.run, launch.bound, launch.cpu_kernel, shape_buckets.enabled)
         launch.run = self.run
         launch.bound = launch.cpu_kernel = lambda *args, **kwargs: None
@@ -425,6 +468,24 @@ class Recorder:
         from torch_pallas.runtime import launch, shape_buckets
 
         launch.run, launch.bound, launch.cpu_kernel, shape_buckets.enabled = self._saved
+        self._recording.__exit__(*exc)
+
+    def _shaping_entry(self, build: Build):
+        """The function whose outputs' shapes a call gets: the hardware's
+        kernel, or, for a call it refuses (another backend runs it there;
+        its entry may raise on it), the family's simulated one."""
+        import torch
+
+        from torch_pallas.runtime import backends
+
+        family = self.family
+        spec = kernel_spec(build.kernel, family)
+        if spec.refusal(family.config_backend, build.avals, build.params) is None:
+            return entry(build, self.device, family)
+        simulator = backends.get(family.family_backend)
+        config = spec.config(simulator.name, build.avals, build.params, None)
+        execution = simulator.execution(device=torch.device("cpu"), takes_inputs=bool(build.avals))
+        return functools.partial(spec.run, **build.params, config=config, **execution)
 
     def run(self, op, device, inputs=(), params=None, user_function=None, x64=False):
         import jax
@@ -453,24 +514,26 @@ class Recorder:
         out = self._shapes.get(key)
         if out is None:
             out = self._shapes[key] = jax.eval_shape(
-                entry(build, None), *[jax.ShapeDtypeStruct(s, d) for s, d in avals])
+                self._shaping_entry(build), *[jax.ShapeDtypeStruct(s, d) for s, d in avals])
         zeros = [torch.zeros(o.shape, dtype=dtypes.TORCH_DTYPES[str(o.dtype)], device=device)
                  for o in jax.tree.leaves(out)]
         return tuple(zeros) if isinstance(out, (tuple, list)) else zeros[0]
 
 
-def record(op: str, tier: str) -> tuple[list[Build], list[dict]]:
-    """(builds, errors): the distinct kernel builds of `op`'s calls in
-    `tier`, in the order first made, and the calls that failed before
-    reaching their kernels (case, dtype, error)."""
+def record(op: str, tier: str, family: Family = TPU,
+           device=None) -> tuple[list[Build], list[dict]]:
+    """(builds, errors): the distinct kernel builds of `family`'s for `op`'s
+    calls in `tier`, in the order first made, and the calls that failed
+    before reaching their kernels (case, dtype, error). `device`: as
+    Recorder's."""
     import torch
 
     import torch_pallas  # noqa: F401  (registers the ops)
 
     torch.manual_seed(0)
     errors = []
-    with Recorder() as recorder:
-        for case, dtype, call in calls(op, tier):
+    with Recorder(family=family, device=device) as recorder:
+        for case, dtype, call in calls(op, tier, family):
             recorder.case = (case, dtype)
             try:
                 call()
@@ -579,11 +642,12 @@ def run_subprocess(op: str, tier: str = "default", chips=("v5e", "v6e"),
                            [op, "--tier", tier, "--chips", ",".join(chips)], timeout)
 
 
-def run_json_script(script: str, args: list, timeout: float) -> dict:
+def run_json_script(script: str, args: list, timeout: float, settings: dict = LIBTPU_ENV) -> dict:
     """The JSON a script that ends in `print_json_alone` prints, run in a
-    fresh Python process with LIBTPU_ENV set (raised in a RuntimeError with
-    the end of its stderr where the process fails)."""
-    env = {**os.environ, **LIBTPU_ENV, "PYTHONWARNINGS": "ignore"}
+    fresh Python process with `settings` (LIBTPU_ENV) in its environment
+    (raised in a RuntimeError with the end of its stderr where the process
+    fails)."""
+    env = {**os.environ, **settings, "PYTHONWARNINGS": "ignore"}
     command = [sys.executable, script, *args]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
@@ -592,13 +656,13 @@ def run_json_script(script: str, args: list, timeout: float) -> dict:
     return json.loads(done.stdout)
 
 
-def print_json_alone(script: str, make) -> None:
-    """A script's main: LIBTPU_ENV set before JAX starts, then make()'s
-    result as JSON, alone on stdout (everything else printed, libtpu's logs
-    and warnings, goes to stderr)."""
+def print_json_alone(script: str, make, settings: dict = LIBTPU_ENV) -> None:
+    """A script's main: `settings` (LIBTPU_ENV) set before JAX starts, then
+    make()'s result as JSON, alone on stdout (everything else printed, the
+    compilers' logs and warnings, goes to stderr)."""
     if "jax" in sys.modules:
-        raise RuntimeError(f"{script}: JAX started before libtpu's settings were made")
-    for name, value in LIBTPU_ENV.items():
+        raise RuntimeError(f"{script}: JAX started before the compiler's settings were made")
+    for name, value in settings.items():
         os.environ.setdefault(name, value)
     stdout = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from attention_reference import Case, bound, make_case, reference, run_kernel, torch_error
-from helpers import assert_within, compile_for_sm90
+from helpers import assert_within
+from torch_pallas.base import torch_compat
 from torch_pallas.ops import attention_spans
 from torch_pallas.kernels.triton import attention as forward_kernel
 from torch_pallas.kernels.triton import attention_backward as backward_kernel
@@ -329,9 +330,11 @@ WRAP_CASES = {
 
 @pytest.mark.parametrize("kwargs", WRAP_CASES.values(), ids=WRAP_CASES.keys())
 def test_wrap_triton_runs_the_same_kernels(kwargs):
-    """Each kernel object is one torch.library.wrap_triton accepts: launched
-    through torch's wrapper (eagerly, as outside a trace) they give the
-    launchers' results bit for bit."""
+    """Each kernel object is one torch.library.wrap_triton accepts, through
+    the launch the ops use under a trace (torch_compat.wrap_triton: the
+    interpreter's kernels, which torch 2.11 refuses, as they are): launched
+    through it (eagerly, as outside a trace) they give the launchers'
+    results bit for bit."""
     case = make_case(**kwargs)
     do = random_do(case)
     forward_config = forward_kernel.AttentionConfig.default("triton")
@@ -340,7 +343,7 @@ def test_wrap_triton_runs_the_same_kernels(kwargs):
     extra = tuple(map(to_device, case.extra))
     backward_extra = tuple(map(to_device, case.backward_extra))
     results = []
-    for wrap in (backward_kernel.direct, torch.library.wrap_triton):
+    for wrap in (backward_kernel.direct, torch_compat.wrap_triton):
         o, lse = forward_kernel.attention(q, k, v, *extra, **case.params,
                                           config=forward_config, wrap=wrap)
         grads = backward_kernel.attention_backward(
@@ -453,35 +456,19 @@ def test_autotuned_launches_share_one_autotuner_per_head_tile():
         backward_kernel.attention_dq_kernel
 
 
-# Compiles each kernel for a Hopper GPU (Triton's compiler needs no GPU):
-# the interpreter never type-checks the kernels as the compiler does.
-COMPILE = """
-from torch_pallas.kernels.triton import attention as fwd, attention_backward as bwd
-
-POINTERS = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "keys_ptr": "*i32", "spans_ptr": "*i32",
-            "key_spans_ptr": "*i32"}
-SCALARS = ("scale", "drop_scale", "softcap")
-# Every option on (spans and softcap with causal, as the kernels allow,
-# though the op layer folds causal into the spans), none, and spans and
-# softcap alone.
-for dtype, on, spans in (("*bf16", True, True), ("*fp32", False, False),
-                         ("*fp16", False, True)):
-    meta = dict(HAS_MASK=on, CAUSAL=on, DROPOUT=on, HAS_SPANS=spans, SOFTCAP=spans, BLOCK_E=64,
-                BLOCK_EV=32, UPCAST=False, INPUT_PRECISION="ieee", BLOCK_M=32, BLOCK_N=32)
-    for fn in (fwd.attention_kernel, bwd.attention_dkdv_kernel, bwd.attention_dq_kernel):
-        built = build(fn, meta, POINTERS, dtype, SCALARS, num_stages=2)
-        print("BUILT", fn.__name__, dtype, built.metadata.shared)
-built = build(bwd.attention_delta_kernel, dict(BLOCK_M=64, BLOCK_EV=32), POINTERS, "*bf16",
-              SCALARS, num_stages=2)
-print("BUILT attention_delta_kernel *bf16", built.metadata.shared)
-"""
-
-
 @pytest.mark.slow
 def test_kernels_compile_for_the_gpu():
-    built = compile_for_sm90(COMPILE)
-    assert [b[1:3] for b in built] == [
-        [name, dtype] for dtype in ("*bf16", "*fp32", "*fp16")
-        for name in ("attention_kernel", "attention_dkdv_kernel", "attention_dq_kernel")
-    ] + [["attention_delta_kernel", "*bf16"]], built
-    assert all(int(b[3]) <= 99 * 1024 for b in built), built  # shared memory of any GPU
+    """Each kernel compiles for a Hopper GPU as the launchers call it
+    (tests/triton_builds.py; the interpreter never type-checks the kernels
+    as the compiler does), forward and backward, in every dtype, with a
+    mask and dropout, causal with softcap, a window's spans, and none; the
+    smallest autotune config fits any GPU's shared memory."""
+    import triton_builds
+
+    result = triton_builds.run_subprocess(None, check="attention_options", timeout=600)
+    assert triton_builds.launched(result) == {
+        (name, dtype) for dtype in ("bfloat16", "float32", "float16")
+        for name in ("attention_kernel", "attention_dkdv_kernel", "attention_dq_kernel",
+                     "attention_delta_kernel")}, result["kernels"]
+    shared = [(k["kernel"], k["dtype"], k["shared"]) for k in result["kernels"]]
+    assert all(size <= 99 * 1024 for *_, size in shared), shared  # shared memory of any GPU

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import torch_pallas
-from helpers import FLOAT_DTYPES, assert_within, compile_for_sm90, fake_cuda_trace
+from helpers import FLOAT_DTYPES, assert_within, fake_cuda_trace
 from test_grouped_mm import check_gradients, check_values, offs_of, random
+from torch_pallas.base import torch_compat
 from torch_pallas.kernels.triton import grouped_mm as forward_kernel
 from torch_pallas.kernels.triton import grouped_mm_backward as backward_kernel
 from torch_pallas.kernels.triton import interpreting
@@ -162,14 +163,16 @@ def test_visit_table_covers_every_row_once():
 
 
 def test_wrap_triton_runs_the_same_kernels():
-    """Each kernel object is one torch.library.wrap_triton accepts: launched
-    through torch's wrapper (eagerly, as outside a trace) they give the
-    launchers' results bit for bit."""
+    """Each kernel object is one torch.library.wrap_triton accepts, through
+    the launch the ops use under a trace (torch_compat.wrap_triton: the
+    interpreter's kernels, which torch 2.11 refuses, as they are): launched
+    through it (eagerly, as outside a trace) they give the launchers'
+    results bit for bit."""
     ends = random_ends(40, 3).to(DEVICE)
     lhs, rhs = torch.randn(40, 24, device=DEVICE), torch.randn(3, 24, 20, device=DEVICE)
     dy = torch.randn(40, 20, device=DEVICE)
     results = []
-    for wrap in (forward_kernel.direct, torch.library.wrap_triton):
+    for wrap in (forward_kernel.direct, torch_compat.wrap_triton):
         out = forward_kernel.grouped_mm(lhs, rhs, ends, transpose_rhs=False, out_dtype="float32",
                                         config=SMALL, wrap=wrap)
         dw = backward_kernel.grouped_mm_backward(lhs, dy, ends, out_dtype="float32",
@@ -179,29 +182,20 @@ def test_wrap_triton_runs_the_same_kernels():
         assert torch.equal(direct, wrapped)
 
 
-# Compiles both kernels for a Hopper GPU (the interpreter type-checks
-# nothing): 16-bit with a bias and weights stored (G, N, K), float32 IEEE.
-COMPILE = """
-from torch_pallas.kernels.triton import grouped_mm as fwd, grouped_mm_backward as bwd
-
-for dtype, out, bias in (("*bf16", "*bf16", True), ("*fp32", "*fp32", False)):
-    tiles = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, UPCAST=False, INPUT_PRECISION="ieee")
-    pointers = {"lhs_ptr": dtype, "rhs_ptr": dtype, "visits_ptr": "*i32", "out_ptr": out}
-    built = build(fwd.grouped_mm_kernel, dict(tiles, HAS_BIAS=bias), pointers, num_stages=3)
-    print("BUILT", "grouped_mm_kernel", dtype, built.metadata.shared)
-    pointers = {"lhs_ptr": dtype, "rhs_ptr": dtype, "ends_ptr": "*i32", "out_ptr": out}
-    built = build(bwd.grouped_mm_backward_kernel, tiles, pointers, num_stages=3)
-    print("BUILT", "grouped_mm_backward_kernel", dtype, built.metadata.shared)
-"""
-
-
 @pytest.mark.slow
 def test_kernels_compile_for_the_gpu():
-    built = compile_for_sm90(COMPILE)
-    assert [b[1:3] for b in built] == [
-        [name, dtype] for dtype in ("*bf16", "*fp32")
-        for name in ("grouped_mm_kernel", "grouped_mm_backward_kernel")], built
-    assert all(int(b[3]) <= 99 * 1024 for b in built), built  # shared memory of any GPU
+    """Both kernels compile for a Hopper GPU as the launchers call them
+    (tests/triton_builds.py; the interpreter type-checks nothing), forward
+    and backward: 16-bit with a bias and weights stored (G, N, K), float32
+    IEEE; the smallest autotune config fits any GPU's shared memory."""
+    import triton_builds
+
+    result = triton_builds.run_subprocess(None, check="grouped_mm_forms", timeout=600)
+    assert triton_builds.launched(result) == {
+        (name, dtype) for dtype in ("bfloat16", "float32")
+        for name in ("grouped_mm_kernel", "grouped_mm_backward_kernel")}, result["kernels"]
+    shared = [(k["kernel"], k["dtype"], k["shared"]) for k in result["kernels"]]
+    assert all(size <= 99 * 1024 for *_, size in shared), shared  # shared memory of any GPU
 
 
 # The op and its backward traced on fake CUDA tensors (no GPU needed)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_pallas
-from helpers import FLOAT_DTYPES, assert_within, compile_for_sm90, simulators_exhaustive
+from helpers import FLOAT_DTYPES, assert_within, simulators_exhaustive
 from torch_pallas.base import dtypes
 from torch_pallas.ops import rms_norm as rms_norm_op
 
@@ -402,23 +402,15 @@ def test_transformers_modules_bit_for_bit_but_the_sum_s_order(casting_mode, dtyp
     assert_within(out, expected, bound, what)
 
 
-# Compiles the Triton kernels for a Hopper GPU in each casting mode (Triton's
-# compiler needs no GPU; its interpreter type-checks nothing): the bfloat16
-# rounding by bits, the constexpr dtype it is given, the weight's offset.
-COMPILE = """
-from torch_pallas.kernels.triton import rms_norm as fwd, rms_norm_backward as bwd
-
-for x, w, out, casting in (("*bf16", "*fp32", "*fp32", (True, False)),
-                           ("*fp16", "*fp16", "*fp16", (False, True))):
-    meta = dict(BLOCK_N=128, HAS_WEIGHT=True, ROUND_NORMALIZED=casting[0],
-                OFFSET_WEIGHT=casting[1])
-    build(fwd.rms_norm_kernel, meta, {"x_ptr": x, "w_ptr": w, "o_ptr": out}, floats=("eps",))
-    build(bwd.rms_norm_backward_kernel, meta, {"dy_ptr": out, "x_ptr": x, "w_ptr": w,
-                                               "dx_ptr": x}, floats=("eps",))
-    print("BUILT", x, w)
-"""
-
-
 @pytest.mark.slow
 def test_triton_kernels_compile_for_the_gpu_in_every_casting_mode():
-    assert compile_for_sm90(COMPILE) == [["BUILT", "*bf16", "*fp32"], ["BUILT", "*fp16", "*fp16"]]
+    """The Triton kernels compile for a Hopper GPU as the launchers call them
+    (tests/triton_builds.py; the interpreter type-checks nothing), forward
+    and backward, in each casting mode: the bfloat16 rounding by bits, the
+    constexpr dtype it is given, the weight's offset."""
+    import triton_builds
+
+    result = triton_builds.run_subprocess(None, check="rms_norm_casting_modes", timeout=600)
+    assert triton_builds.launched(result) == {
+        (kernel, dtype) for kernel in ("rms_norm_kernel", "rms_norm_backward_kernel")
+        for dtype in ("bfloat16", "float16")}, result["kernels"]

@@ -86,7 +86,30 @@ def matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-matmul_kernel_autotuned = triton.autotune(configs=AUTOTUNE_CONFIGS, key=["M", "N", "K"])(matmul_kernel)
+# Full-precision float32 products (input_precision "ieee") run on the FMA
+# units, not the tensor cores: both operand tiles and the accumulator sit in
+# registers, and the tensor-core tiles above spill there (an sm90 build of
+# 128 x 256 x 64: 255 registers and a 6.5 KB stack; tests/triton_builds.py).
+# Those products get tiles of their own, 32 accumulator values a thread.
+FLOAT32_IEEE_CONFIGS = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_stages=3, num_warps=4),
+    triton.Config({"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_stages=4, num_warps=4),
+]
+
+
+def configs_for_operands(configs, named_args, **kwargs):
+    """The autotuner's candidates for this call: FLOAT32_IEEE_CONFIGS for
+    float32 operands multiplied in full precision, AUTOTUNE_CONFIGS (the
+    tensor cores' tiles) for the rest."""
+    fma = named_args["a_ptr"].element_size() == 4 and kwargs.get("INPUT_PRECISION") == "ieee"
+    return [c for c in configs if any(c is f for f in FLOAT32_IEEE_CONFIGS) == fma]
+
+
+matmul_kernel_autotuned = triton.autotune(
+    configs=AUTOTUNE_CONFIGS + FLOAT32_IEEE_CONFIGS, key=["M", "N", "K", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": configs_for_operands})(matmul_kernel)
 
 
 def matmul(a, b, *, transpose_a: bool, transpose_b: bool, config: MatmulConfig, wrap=direct,

@@ -215,3 +215,27 @@ def test_fill_edge_values_like_torch_full(cpu_backend, dtype):
         out = torch.ops.pallas.fill((2,), value, dtype=dtype)
         assert torch.equal(out, expected), (value, out, expected)
         assert torch.equal(out.signbit(), expected.signbit()), value
+
+
+def test_negative_zero_is_negated_exactly_in_compiled_code():
+    """The kernel's -0.0 (NEGATE) compiles, for a Hopper GPU, to a sign flip
+    of every float dtype it writes, never to `0 - x` (Triton 3.6's unary
+    minus: +0.0 for +0.0; the interpreter's too, which
+    test_fill_edge_values_like_torch_full catches)."""
+    pytest.importorskip("triton")
+    from helpers import compile_for_sm90
+
+    built = compile_for_sm90("""
+        import re
+        from torch_pallas.kernels.triton import fill
+
+        for ptr in ("*fp32", "*fp16", "*bf16", "*fp64"):
+            ptx = build(fill.fill_kernel, dict(BLOCK=128, NEGATE=True), pointers={"o_ptr": ptr},
+                        floats=("value",)).asm["ptx"]
+            print("BUILT", ptr, *sorted(set(re.findall(r"\\b(?:sub|neg|xor|mul)\\.[a-z0-9]+", ptx))))
+    """)
+    assert [words[1] for words in built] == ["*fp32", "*fp16", "*bf16", "*fp64"]
+    for words in built:
+        ops = words[2:]
+        assert not any(op.startswith("sub.") for op in ops), words
+        assert any(op.startswith(("xor.", "neg.", "mul.f", "mul.bf")) for op in ops), words

@@ -69,6 +69,26 @@ def test_the_default_device_read_fast_is_torchs():
     assert torch_compat.default_device() == torch.device("cpu")
 
 
+def test_wrap_triton_takes_every_kernel_the_ops_launch():
+    """torch_compat.wrap_triton: the interpreter's kernels (bare, autotuned
+    or under heuristics) as they are, whatever this torch's wrap_triton
+    makes of them (torch 2.11 refuses them); a compiled kernel as
+    torch.library.wrap_triton wraps it."""
+    triton = pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    def kernel(x_ptr):
+        pass
+
+    interpreted = InterpretedFunction(kernel)
+    for k in (interpreted, triton.autotune(configs=[triton.Config({})], key=[])(interpreted),
+              triton.heuristics({"B": lambda args: 1})(interpreted)):
+        assert torch_compat.wrap_triton(k) is k
+    compiled = JITFunction(kernel)
+    assert type(torch_compat.wrap_triton(compiled)) is type(torch.library.wrap_triton(compiled))
+
+
 def test_an_unknown_probe_name_is_refused():
     env = dict(os.environ, **{torch_compat.ENV_VAR: "autograd_kernal"})
     result = subprocess.run([sys.executable, "-c", "import torch_pallas"], env=env,

@@ -21,7 +21,9 @@ def fill_kernel(o_ptr, value, n, BLOCK: tl.constexpr, NEGATE: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     values = tl.full((BLOCK,), value, o_ptr.dtype.element_ty)
     if NEGATE:  # -0.0: Triton makes any zero scalar +0.0
-        values = -values
+        # times -1, not `-values`: Triton before 3.8 negates as 0 - x,
+        # which gives +0.0 for +0.0 (x * -1 is exact, signed zeros too)
+        values = values * -1.0
     tl.store(o_ptr + offs, values, mask=offs < n)
 
 

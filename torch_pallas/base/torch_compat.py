@@ -405,3 +405,33 @@ def device_key_set(device_type: str):
     BackendSelect kernel to redispatch to; None on the public path (no such
     kernel: the factory stays on its CPU kernel, which refuses the device)."""
     return None if _DEVICE_DISPATCH is None else _DEVICE_DISPATCH.key_set(device_type)
+
+
+# --- wrap_triton (public on every torch; its reach differs) ------------------
+
+def _interpreted(kernel) -> bool:
+    """Whether `kernel` is Triton's interpreter's (TRITON_INTERPRET=1:
+    `triton.jit` makes an InterpretedFunction), directly or under
+    `triton.autotune` / `triton.heuristics`."""
+    try:
+        from triton.runtime.autotuner import Autotuner, Heuristics
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    seen = set()
+    while isinstance(kernel, (Autotuner, Heuristics)) and id(kernel) not in seen:
+        seen.add(id(kernel))
+        kernel = kernel.fn
+    return isinstance(kernel, InterpretedFunction)
+
+
+def wrap_triton(kernel):
+    """`torch.library.wrap_triton(kernel)`, the launch torch's tracers
+    record, for every kernel torch_pallas launches: the interpreter's
+    kernels (no GPU, TRITON_INTERPRET=1) are launched as they are, as torch
+    2.13 on does itself (they lack the JIT metadata a traced launch needs,
+    and torch 2.11 refuses them: "wrap_triton only works on functions
+    annotated with triton.jit")."""
+    if _interpreted(kernel):
+        return kernel
+    return torch.library.wrap_triton(kernel)

@@ -54,7 +54,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from torch_pallas.base import dtypes, jax_env
+from torch_pallas.base import dtypes, jax_env, torch_compat
 from torch_pallas.base.errors import add_note
 from torch_pallas.runtime import backends, launch
 from torch_pallas.library import registration
@@ -253,7 +253,7 @@ def _named(implementation, fn):
 
 
 def _triton_traced(triton):
-    return False if triton is None else functools.partial(triton, wrap=torch.library.wrap_triton)
+    return False if triton is None else functools.partial(triton, wrap=torch_compat.wrap_triton)
 
 
 def _check_backward(sig: op_signature.Signature, backward: Callable) -> None:

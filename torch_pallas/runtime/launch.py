@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from torch_pallas.base import dtypes, jax_env
+from torch_pallas.base import dtypes, jax_env, torch_compat
 from torch_pallas.base.errors import BackendError, add_note
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.runtime import (backends, bridge, compilation, compile_cache, compile_path,
@@ -263,7 +263,7 @@ def run(
         spec = registry.get(op).kernel(triton)
         execution = triton.execution(device=device, takes_inputs=bool(inputs))
         return spec.run(*inputs, **(params or {}), config=spec.default_config(triton.name),
-                        wrap=torch.library.wrap_triton, **execution)
+                        wrap=torch_compat.wrap_triton, **execution)
     signature = call_signature(op, device, inputs, params or {}, user_function)
     if user_function is None:  # a shipped op's repeated call: straight to its kernel
         ready = compile_cache.compiled.ready(signature)

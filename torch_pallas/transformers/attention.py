@@ -204,27 +204,31 @@ def pallas_mask(*args, **kwargs):
     `kv_length`, `q_offset`, `kv_offset`, `mask_function`, `attention_mask`;
     4.x with `cache_position` in place of the lengths and offsets: there the
     SDPA mask is used as is."""
-    from transformers import masking_utils
+    # Names from the module itself, not `from transformers import
+    # masking_utils`: torch.compile traces this function, and Dynamo (torch
+    # 2.11) refuses an import whose result is transformers' top-level
+    # package (a ModuleType subclass, _LazyModule); masking_utils is a
+    # plain module.
+    from transformers.masking_utils import causal_mask_function, prepare_padding_mask, sdpa_mask
 
     if args or "q_length" not in kwargs:
-        return masking_utils.sdpa_mask(*args, **kwargs)
+        return sdpa_mask(*args, **kwargs)
     q_length, kv_length = kwargs["q_length"], kwargs["kv_length"]
     q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
-    mask_function = kwargs.get("mask_function") or masking_utils.causal_mask_function
+    mask_function = kwargs.get("mask_function") or causal_mask_function
     kwargs["mask_function"] = mask_function
     fresh = (not isinstance(q_offset, torch.Tensor) and not isinstance(kv_offset, torch.Tensor)
              and q_offset == 0 and kv_offset == 0 and q_length == kv_length)
     if not fresh:
-        return masking_utils.sdpa_mask(**kwargs)
+        return sdpa_mask(**kwargs)
     compiling = torch.compiler.is_compiling()
     structure = mask_structure(mask_function)
     if structure == PLAIN or (structure == PACKED and kwargs.get("batch_size") == 1
                               and not compiling):
-        padding = masking_utils.prepare_padding_mask(kwargs.get("attention_mask"), kv_length,
-                                                     kv_offset)
+        padding = prepare_padding_mask(kwargs.get("attention_mask"), kv_length, kv_offset)
         if padding is None or (not compiling and bool(padding.all())):
             return None
-    return masking_utils.sdpa_mask(**kwargs)
+    return sdpa_mask(**kwargs)
 
 
 def register() -> None:

@@ -29,6 +29,12 @@ fallback loop:
    order and summed over k (in the product's dtype, as transformers'
    grouped_mm does), cast to hidden_states' dtype.
 
+The flags (`has_gate`, `has_bias`, `is_transposed`, `has_post_expert_norm`)
+are what transformers' `@use_experts_implementation` sets on the module;
+older 5.x set fewer (5.0: `has_bias` and `is_transposed` alone;
+`has_post_expert_norm` from 5.20), and a missing one reads as its default,
+the behaviour of the versions without it (`FLAGS`).
+
 Routing (the router, top-k, the weights) stays the model's own.
 
 Imports: `torch_pallas.ops`; transformers itself only inside `register()`
@@ -46,6 +52,18 @@ from torch_pallas.ops.grouped_mm import DTYPES, grouped_mm
 from torch_pallas.ops.swiglu import swiglu
 
 NAME = "pallas"
+
+# The experts flags transformers' `@use_experts_implementation` sets, with
+# the value each has where a transformers sets no such attribute (the
+# behaviour of the versions before it).
+FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False,
+         "has_post_expert_norm": False}
+
+
+def flag(module: torch.nn.Module, name: str) -> bool:
+    """The experts module's flag `name` (one of `FLAGS`), or its default
+    where this transformers does not set it."""
+    return getattr(module, name, FLAGS[name])
 
 
 def experts_interface():
@@ -80,10 +98,17 @@ def _projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _default_gate():
     """transformers' default `_apply_gate` (`act_fn(gate) * up` on the two
-    concatenated halves), or None where this transformers has another."""
-    from transformers.integrations import moe
+    concatenated halves), or None where this transformers has another.
 
-    return getattr(moe, "_default_apply_gate", None)
+    Imported from transformers.integrations.moe by name: torch.compile
+    traces this, and Dynamo (torch 2.11) refuses an import whose result is
+    a ModuleType subclass, as `from transformers.integrations import moe`
+    gives (transformers.integrations is a _LazyModule)."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return None
+    return _default_apply_gate
 
 
 @functools.cache
@@ -114,7 +139,7 @@ def swiglu_gated(module: torch.nn.Module) -> bool:
 
 
 def _activate(module: torch.nn.Module, projected: torch.Tensor) -> torch.Tensor:
-    if not module.has_gate:
+    if not flag(module, "has_gate"):
         return module.act_fn(projected)
     if swiglu_gated(module):
         gate, up = projected.chunk(2, dim=-1)
@@ -146,14 +171,15 @@ def experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor,
     weights = top_k_weights.reshape(-1)[order]
 
     # 2.-4. the experts' two projections and the gate between them
-    has_gate, has_bias, transposed = self.has_gate, self.has_bias, self.is_transposed
+    has_gate, has_bias = flag(self, "has_gate"), flag(self, "has_bias")
+    transposed = flag(self, "is_transposed")
     up_weight = self.gate_up_proj if has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
     projected = _projection(rows, up_weight, up_bias, offs, transposed)
     projected = _activate(self, projected)
     down_bias = self.down_proj_bias if has_bias else None
     out = _projection(projected, self.down_proj, down_bias, offs, transposed)
-    if self.has_post_expert_norm:
+    if flag(self, "has_post_expert_norm"):
         out = self.post_expert_norm(out)
 
     # 5. weighted, back in the pairs' order, summed over each token's k

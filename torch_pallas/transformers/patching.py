@@ -682,7 +682,7 @@ def _experts_weights_refused(module: torch.nn.Module) -> str | None:
     """What in an experts module grouped_mm does not take (None: nothing):
     weights that are not (experts, ., .) tensors of its dtypes (quantized
     experts)."""
-    names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
+    names = ["gate_up_proj" if pallas_experts.flag(module, "has_gate") else "up_proj", "down_proj"]
     for name in names:
         weight = getattr(module, name, None)
         if not (isinstance(weight, torch.Tensor) and weight.dim() == 3

@@ -95,12 +95,7 @@ def cases():
 # what and why). A case whose only problems are these is an expected
 # failure (xfail), not a pass: the kernel is to be fixed, and this entry
 # removed with it.
-KNOWN_SPILLS = {
-    "attention_backward": (36, "the dK/dV kernel at head dim 128 (2 compute warpgroups, "
-                               "3 steps, 64 x 64 blocks) spills 36 bytes of its prologue's "
-                               "scalars live across the warpgroups' register split "
-                               "(setmaxnreg), reloaded once a tile"),
-}
+KNOWN_SPILLS: dict[str, tuple[int, str]] = {}
 
 
 def _known_spill(build: dict, cubin: dict) -> bool:

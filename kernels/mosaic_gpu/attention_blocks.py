@@ -155,8 +155,9 @@ def visible(s, target: Target, *, row0, col0, kv_len: int, causal: bool, ragged:
         shown = None
         if ragged:
             shown = col < kv_len
-        if causal:
-            row = target.tile(jax.lax.broadcasted_iota(jnp.int32, s.shape, 0)) + row0
+        if causal:  # the rows as a row vector: two per thread, not a tile's worth
+            row = target.rows(jax.lax.iota(jnp.int32, rows)) + row0
+            row = jax.lax.broadcast_in_dim(row, s.shape, [0])
             shown = (col <= row) if shown is None else (shown & (col <= row))
         if spans is not None:
             inside = spans.shown(col)

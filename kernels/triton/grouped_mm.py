@@ -110,8 +110,66 @@ def grouped_mm_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-grouped_mm_kernel_autotuned = triton.autotune(configs=AUTOTUNE_CONFIGS,
-                                              key=["N", "K"])(grouped_mm_kernel)
+# Full-precision float32 products (input_precision "ieee") run on the FMA
+# units, not the tensor cores: both operand tiles and the accumulator sit in
+# registers, and the tensor-core tiles above spill there (sm90 builds of
+# the 64 x 256 x 64 tile: a stack of kilobytes; tests/triton_builds.py), as
+# matmul's did (kernels/triton/matmul.py). Those products get tiles of their
+# own: at most 32 accumulator values a thread, 32-deep K steps.
+FLOAT32_IEEE_CONFIGS = [
+    triton.Config({"BLOCK_N": 128, "BLOCK_K": 32}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_N": 64, "BLOCK_K": 32}, num_stages=3, num_warps=4),
+    triton.Config({"BLOCK_N": 64, "BLOCK_K": 32}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_stages=4, num_warps=4),
+]
+
+
+# Operands whose sizes or row strides are not multiples of 16 elements (no
+# 16-byte aligned vector loads: Triton specializes on that) load element by
+# element, each with a 64-bit address in registers: there the tensor-core
+# tiles above spilled 24 B-1.2 KB (the 16-bit examples, K 12-24), all but
+# these, which did not (and keep HGMMA).
+UNALIGNED_CONFIGS = [
+    triton.Config({"BLOCK_N": 128, "BLOCK_K": 32}, num_stages=4, num_warps=4),
+    triton.Config({"BLOCK_N": 64, "BLOCK_K": 32}, num_stages=3, num_warps=4),
+]
+ALIGNED_ARGUMENTS = ("N", "K", "stride_lm", "stride_lk", "stride_rk", "stride_rn", "stride_om")
+
+
+def aligned(named_args) -> bool:
+    """Whether the sizes and strides a tile's loads and stores step by are
+    1 or multiples of 16 (as Triton's specialization sees them)."""
+    return all(named_args[name] == 1 or named_args[name] % 16 == 0
+               for name in ALIGNED_ARGUMENTS)
+
+
+def fma_product(named_args, kwargs, operand: str) -> bool:
+    """Whether this call multiplies float32 operands in full precision (on
+    the FMA units)."""
+    return (named_args[operand].element_size() == 4
+            and kwargs.get("INPUT_PRECISION", "ieee") == "ieee")
+
+
+def configs_for_operands(configs, named_args, **kwargs):
+    """The autotuner's candidates for this call: FLOAT32_IEEE_CONFIGS for
+    float32 operands multiplied in full precision, UNALIGNED_CONFIGS for
+    other operands not aligned to 16 elements (`aligned`), AUTOTUNE_CONFIGS
+    (the tensor cores' tiles) for the rest."""
+    if fma_product(named_args, kwargs, "lhs_ptr"):
+        chosen = FLOAT32_IEEE_CONFIGS
+    elif not aligned(named_args):
+        chosen = UNALIGNED_CONFIGS
+    else:
+        chosen = AUTOTUNE_CONFIGS
+    return [c for c in configs if any(c is f for f in chosen)]
+
+
+# (Triton's autotuner keys on the operands' dtypes too; the stride
+# alignment's choice follows N and K in every contiguous layout.)
+grouped_mm_kernel_autotuned = triton.autotune(
+    configs=AUTOTUNE_CONFIGS + FLOAT32_IEEE_CONFIGS + UNALIGNED_CONFIGS,
+    key=["N", "K", "INPUT_PRECISION", "stride_lm", "stride_rk", "stride_rn"],
+    prune_configs_by={"early_config_prune": configs_for_operands})(grouped_mm_kernel)
 
 
 def row_tile_visits(ends: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:

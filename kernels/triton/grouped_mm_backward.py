@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from torch_pallas.kernels.spec import KernelSpec
 from torch_pallas.kernels.triton import direct, interpreter_safe_dtype
-from torch_pallas.kernels.triton.grouped_mm import GroupedMatmulConfig
+from torch_pallas.kernels.triton.grouped_mm import GroupedMatmulConfig, fma_product
 
 # Autotuning space on CUDA: (BLOCK_K, BLOCK_N) output blocks, BLOCK_M rows
 # per step (the forward's config gives the tiles when not autotuning).
@@ -75,8 +75,26 @@ def grouped_mm_backward_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
 
 
+# Full-precision float32 products run on the FMA units: tiles of their own,
+# at most 32 accumulator values a thread (grouped_mm.py, FLOAT32_IEEE_CONFIGS).
+FLOAT32_IEEE_CONFIGS = [
+    triton.Config({"BLOCK_M": 32, "BLOCK_K": 64, "BLOCK_N": 128}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_M": 32, "BLOCK_K": 128, "BLOCK_N": 64}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_M": 32, "BLOCK_K": 64, "BLOCK_N": 64}, num_stages=3, num_warps=4),
+    triton.Config({"BLOCK_M": 32, "BLOCK_K": 32, "BLOCK_N": 64}, num_stages=4, num_warps=4),
+]
+
+
+def configs_for_operands(configs, named_args, **kwargs):
+    """FLOAT32_IEEE_CONFIGS for float32 operands multiplied in full
+    precision, AUTOTUNE_CONFIGS (the tensor cores' tiles) for the rest."""
+    fma = fma_product(named_args, kwargs, "lhs_ptr")
+    return [c for c in configs if any(c is f for f in FLOAT32_IEEE_CONFIGS) == fma]
+
+
 grouped_mm_backward_kernel_autotuned = triton.autotune(
-    configs=AUTOTUNE_CONFIGS, key=["K", "N"])(grouped_mm_backward_kernel)
+    configs=AUTOTUNE_CONFIGS + FLOAT32_IEEE_CONFIGS, key=["K", "N", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": configs_for_operands})(grouped_mm_backward_kernel)
 
 
 def grouped_mm_backward(lhs, rhs, ends, *, out_dtype: str,

@@ -137,14 +137,33 @@ FORWARD_CANDIDATES = (
 )
 
 
-def forward_configs(block_e: int, block_ev: int, itemsize: int) -> list:
-    """The forward's autotuning candidates that fit these head tiles."""
+# Registers per element of the (BLOCK_M, BLOCK_N) score tile, as fitted to
+# Triton's sm90 builds (tests/triton_builds.py; cuobjdump's registers and
+# spills): the scores in float32, their exponentials and the 16-bit copy a
+# second tl.dot reads take 3; a mask tile adds MASK_VALUES more (its 64-bit
+# pointers, its values and the select). Fitted so that no config the
+# estimate keeps spills: with 2, the forward's (64, 128, 4 warps) at a
+# 128-wide head kept (255 registers, 24-32 B spilled); without the mask's,
+# every masked config of more than 16 score values a thread spilled at a
+# 16-wide head (92 B-2.9 KB), those of 16 and less none.
+SCORE_VALUES = 3
+MASK_VALUES = 6
+
+
+def score_values(block_m: int, block_n: int, masked: bool) -> int:
+    """32-bit values the score tile and, with a mask, the mask's tile hold."""
+    return (SCORE_VALUES + (MASK_VALUES if masked else 0)) * block_m * block_n
+
+
+def forward_configs(block_e: int, block_ev: int, itemsize: int, masked: bool = False) -> list:
+    """The forward's autotuning candidates that fit these head tiles (and a
+    mask's tile, `masked`)."""
 
     def estimate(block_m, block_n):
         q = block_m * block_e * itemsize  # resident
         kv = block_n * (block_e + block_ev) * itemsize  # per step
-        # acc and the score tile in float32, q in registers
-        values = block_m * block_ev + block_m * block_n + q // 4
+        # acc in float32, the score tile (score_values), q in registers
+        values = block_m * block_ev + score_values(block_m, block_n, masked) + q // 4
         return q, kv, values
 
     return fitting_configs(FORWARD_CANDIDATES, estimate)
@@ -357,10 +376,12 @@ def attention_kernel(
 
 
 @functools.cache
-def attention_kernel_autotuned(block_e: int, block_ev: int, itemsize: int):
-    """The autotuned kernel for these head tiles (one autotuner each, so that
+def attention_kernel_autotuned(block_e: int, block_ev: int, itemsize: int,
+                               masked: bool = False):
+    """The autotuned kernel for these head tiles and operand size, masked or
+    not (its candidates differ: forward_configs) (one autotuner each, so that
     only fitting configs are ever compiled)."""
-    return triton.autotune(configs=forward_configs(block_e, block_ev, itemsize),
+    return triton.autotune(configs=forward_configs(block_e, block_ev, itemsize, masked),
                            key=AUTOTUNE_KEY)(attention_kernel)
 
 
@@ -436,10 +457,11 @@ def kernel_constexprs(dims, q, mask, keys, *, causal: bool, precision: str, span
 
 def launch(kernel, autotuned, grid, args, meta: dict, *, config, itemsize: int, wrap) -> None:
     """kernel[grid](*args, **meta) under `wrap`: with `config.autotune` its
-    autotuner for these head tiles (`autotuned(BLOCK_E, BLOCK_EV, itemsize)`),
-    else with the config's blocks, warps and stages."""
+    autotuner for these head tiles (`autotuned(BLOCK_E, BLOCK_EV, itemsize,
+    HAS_MASK)`), else with the config's blocks, warps and stages."""
     if config.autotune:
-        wrap(autotuned(meta["BLOCK_E"], meta["BLOCK_EV"], itemsize))[grid](*args, **meta)
+        tuner = autotuned(meta["BLOCK_E"], meta["BLOCK_EV"], itemsize, bool(meta["HAS_MASK"]))
+        wrap(tuner)[grid](*args, **meta)
     else:
         wrap(kernel)[grid](*args, **meta, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                            num_warps=config.num_warps, num_stages=config.num_stages)

@@ -61,6 +61,7 @@ from torch_pallas.kernels.triton import direct, interpreter_safe_dtype, interpre
 from torch_pallas.kernels.triton.attention import (
     AUTOTUNE_KEY,
     LOG2E,
+    MASK_VALUES,
     check_dtypes,
     check_head_dims_and_mask,
     check_spans,
@@ -106,34 +107,41 @@ class AttentionBackwardConfig:
 DKDV_CANDIDATES = (  # BLOCK_M: query rows per step, BLOCK_N: keys held per program
     (32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2),
     (32, 64, 8, 2), (16, 64, 8, 2),  # 8 warps: registers for wide heads' dk, dv
-    (16, 64, 4, 2), (32, 32, 8, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 1),
-)
+    (16, 64, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2), (16, 16, 4, 1),
+)  # (32, 32, 8 warps, 2): ptxas held it to 128 registers and spilled 28 B (D128)
 DQ_CANDIDATES = (  # BLOCK_M: query rows per program, BLOCK_N: keys per step
     (128, 32, 8, 3), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2), (64, 32, 8, 2),
     (64, 16, 4, 2), (32, 32, 4, 2), (32, 16, 4, 2), (16, 16, 4, 1),
 )
 
 
-def dkdv_configs(block_e: int, block_ev: int, itemsize: int) -> list:
-    """The dk/dv kernel's candidates that fit these head tiles."""
+def dkdv_configs(block_e: int, block_ev: int, itemsize: int, masked: bool = False) -> list:
+    """The dk/dv kernel's candidates that fit these head tiles (and a mask's
+    tile, `masked`)."""
 
     def estimate(block_m, block_n):
         kv = block_n * (block_e + block_ev) * itemsize  # resident
         q_do = block_m * (block_e + block_ev) * itemsize  # per step
-        # dk, dv in float32, k and v, the pᵀ and dpᵀ tiles
-        values = block_n * (block_e + block_ev) + kv // 4 + 2 * block_m * block_n
+        # dk, dv in float32, k and v, the pᵀ and dpᵀ tiles: 3 values an
+        # element (as the forward's SCORE_VALUES; with 2, (32, 128, 8, 3)
+        # and (32, 64, 4, 3) kept at a 128-wide head spilled 72-140 B under
+        # GQA), and the mask's (MASK_VALUES)
+        values = (block_n * (block_e + block_ev) + kv // 4 + 3 * block_m * block_n
+                  + (MASK_VALUES * block_m * block_n if masked else 0))
         return kv, q_do, values
 
     return fitting_configs(DKDV_CANDIDATES, estimate)
 
 
-def dq_configs(block_e: int, block_ev: int, itemsize: int) -> list:
-    """The dq kernel's candidates that fit these head tiles."""
+def dq_configs(block_e: int, block_ev: int, itemsize: int, masked: bool = False) -> list:
+    """The dq kernel's candidates that fit these head tiles (and a mask's
+    tile, `masked`)."""
 
     def estimate(block_m, block_n):
         q_do = block_m * (block_e + block_ev) * itemsize  # resident
         kv = block_n * (block_e + block_ev) * itemsize  # per step
-        values = block_m * block_e + q_do // 4 + 2 * block_m * block_n  # dq in float32
+        values = (block_m * block_e + q_do // 4 + 2 * block_m * block_n  # dq in float32
+                  + (MASK_VALUES * block_m * block_n if masked else 0))
         return q_do, kv, values
 
     return fitting_configs(DQ_CANDIDATES, estimate)
@@ -428,16 +436,18 @@ def attention_dq_kernel(
 
 
 @functools.cache
-def attention_dkdv_kernel_autotuned(block_e: int, block_ev: int, itemsize: int):
+def attention_dkdv_kernel_autotuned(block_e: int, block_ev: int, itemsize: int,
+                               masked: bool = False):
     """The autotuned dk/dv kernel for these head tiles."""
-    return triton.autotune(configs=dkdv_configs(block_e, block_ev, itemsize),
+    return triton.autotune(configs=dkdv_configs(block_e, block_ev, itemsize, masked),
                            key=AUTOTUNE_KEY)(attention_dkdv_kernel)
 
 
 @functools.cache
-def attention_dq_kernel_autotuned(block_e: int, block_ev: int, itemsize: int):
+def attention_dq_kernel_autotuned(block_e: int, block_ev: int, itemsize: int,
+                               masked: bool = False):
     """The autotuned dq kernel for these head tiles."""
-    return triton.autotune(configs=dq_configs(block_e, block_ev, itemsize),
+    return triton.autotune(configs=dq_configs(block_e, block_ev, itemsize, masked),
                            key=AUTOTUNE_KEY)(attention_dq_kernel)
 
 

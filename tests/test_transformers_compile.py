@@ -52,6 +52,16 @@ TRAINING = dict(use_cache=False) if TRANSFORMERS_4 else {}
 COMPILED = [family for family in FAMILIES if not (TRANSFORMERS_4 and family == "gpt_oss")]
 
 
+def transformers_experts_compile() -> bool:
+    """Whether transformers' own experts (gpt-oss's float32 "grouped_mm"
+    fallback) compile with fullgraph: their backward loops over the groups'
+    sizes (`.tolist()`) until a transformers release made it a custom op
+    (after 5.21; 5.17, the GPU machine's, has the loop)."""
+    from transformers.integrations import moe  # noqa: F401  (registers the op where it exists)
+
+    return hasattr(getattr(torch.ops, "transformers"), "grouped_mm_fallback_backward")
+
+
 def ignored_logging(family: str):
     if not (TRANSFORMERS_4 and family == "gemma2"):
         return contextlib.nullcontext()
@@ -87,6 +97,10 @@ def batch():
 @pytest.mark.parametrize("how", ["attention", "apply"])
 @pytest.mark.parametrize("family", COMPILED)
 def test_compiled_training_step_equals_eager(family, how, tmp_path, monkeypatch):
+    if family == "gpt_oss" and how == "attention" and not transformers_experts_compile():
+        # The experts stay transformers' own here (apply() moves them to the ops).
+        pytest.xfail(f"transformers {transformers.__version__}'s own gpt-oss experts do not "
+                     "compile with fullgraph (GuardOnDataDependentSymNode in their backward)")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a fresh compile
     torch._dynamo.reset()
     eager = model(family)

@@ -47,12 +47,20 @@ HOT_KERNELS = ("matmul_kernel", "attention_kernel", "attention_dkdv_kernel",
                "attention_dq_kernel", "grouped_mm_kernel", "grouped_mm_backward_kernel",
                "loss_kernel", "logit_gradient_kernel")
 # Spills found in the launchers' autotune candidates and not yet pruned:
-# kernel -> (BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_E) of each. A
-# spill not listed fails; a listed one that no longer spills is fine. None:
-# attention's register estimate (kernels/triton/attention.py, SCORE_VALUES,
-# MASK_VALUES) and grouped_mm's operand-dependent configs (float32 at full
-# precision, unaligned operands) prune every config that spilled.
-KNOWN_SPILLS: dict[str, set[tuple]] = {}
+# kernel -> (dtype, BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_E) of
+# each. A spill not listed fails; a listed one that no longer spills is
+# fine. Left: float32 at full precision with a 128-wide head (the
+# exhaustive tier's float32 calls), where q·kᵀ and p·v run on the FMA units
+# with the operand tiles in registers and every candidate spills, the
+# smallest too (0.8-2.8 KB; dq's (64, 32, 4, 3) 20-23 KB): that needs the
+# kernels to split the head dimension, not a smaller tile. attention's
+# register estimate (SCORE_VALUES, MASK_VALUES) and grouped_mm's
+# operand-dependent configs prune every 16-bit config that spilled.
+KNOWN_SPILLS = {
+    "attention_dkdv_kernel": {('fp32', 16, 32, 4, 2, 128), ('fp32', 16, 64, 8, 2, 128), ('fp32', 32, 32, 4, 2, 128), ('fp32', 32, 64, 8, 2, 128)},
+    "attention_dq_kernel": {('fp32', 64, 16, 4, 2, 128), ('fp32', 64, 32, 4, 3, 128)},
+    "attention_kernel": {('fp32', 16, 32, 2, 2, 128), ('fp32', 32, 32, 4, 2, 128), ('fp32', 32, 64, 4, 2, 128), ('fp32', 64, 32, 4, 2, 128), ('fp32', 64, 32, 4, 4, 128), ('fp32', 64, 64, 8, 2, 128)},
+}
 # Tensor-core kernels: each bfloat16 launch must have an HGMMA config.
 HGMMA_KERNELS = ("matmul_kernel", "attention_kernel", "attention_dkdv_kernel",
                  "attention_dq_kernel", "grouped_mm_kernel", "grouped_mm_backward_kernel")
@@ -79,8 +87,8 @@ def describe(kernel: dict) -> str:
 
 def spill_key(kernel: dict) -> tuple:
     c = kernel["constexprs"]
-    return (c.get("BLOCK_M"), c.get("BLOCK_N"), kernel["num_warps"], kernel["num_stages"],
-            c.get("BLOCK_E"))
+    return (kernel["dtype"], c.get("BLOCK_M"), c.get("BLOCK_N"), kernel["num_warps"],
+            kernel["num_stages"], c.get("BLOCK_E"))
 
 
 def cases():

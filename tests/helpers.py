@@ -159,47 +159,6 @@ def fake_cuda_trace(model: str, inputs: str) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
 
 
-# The prologue of a script that compiles Triton kernels for a Hopper GPU
-# (Triton's compiler needs no GPU; its interpreter type-checks nothing):
-# `build(fn, meta, pointers, ...)` compiles `fn` with the constexprs `meta`,
-# each `*_ptr` argument typed by `pointers` (else `pointer`), those named in
-# `floats` fp32 and every other argument i32.
-SM90_BUILD = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-def build(fn, meta, pointers=None, pointer="*fp32", floats=(), num_warps=4, **options):
-    signature, constants = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in meta:
-            signature[name] = "constexpr"
-            constants[(i,)] = meta[name]
-        elif name.endswith("_ptr"):
-            signature[name] = (pointers or {}).get(name, pointer)
-        else:
-            signature[name] = "fp32" if name in floats else "i32"
-    return triton.compile(ASTSource(fn, signature, constants), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, **options))
-"""
-
-
-def compile_for_sm90(script: str) -> list[list[str]]:
-    """Runs `script` after SM90_BUILD in a fresh process without
-    TRITON_INTERPRET and returns the words of each line it printed that
-    starts with BUILT (the script prints one per kernel it built)."""
-    import os
-    import subprocess
-    import sys
-    import textwrap
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset
-    out = subprocess.run([sys.executable, "-c", SM90_BUILD + textwrap.dedent(script)], env=env,
-                         check=True, capture_output=True, text=True).stdout
-    return [line.split() for line in out.splitlines() if line.startswith("BUILT")]
-
-
 def computed_once(tmp_path_factory, worker_id: str, name: str, compute):
     """compute()'s (picklable) result, computed once per pytest run however
     many xdist workers ask for it: the first under a file lock, in the run's

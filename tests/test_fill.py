@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import math
 import random
 
@@ -223,19 +225,17 @@ def test_negative_zero_is_negated_exactly_in_compiled_code():
     minus: +0.0 for +0.0; the interpreter's too, which
     test_fill_edge_values_like_torch_full catches)."""
     pytest.importorskip("triton")
-    from helpers import compile_for_sm90
+    import triton_builds
 
-    built = compile_for_sm90("""
-        import re
-        from torch_pallas.kernels.triton import fill
-
-        for ptr in ("*fp32", "*fp16", "*bf16", "*fp64"):
-            ptx = build(fill.fill_kernel, dict(BLOCK=128, NEGATE=True), pointers={"o_ptr": ptr},
-                        floats=("value",)).asm["ptx"]
-            print("BUILT", ptr, *sorted(set(re.findall(r"\\b(?:sub|neg|xor|mul)\\.[a-z0-9]+", ptx))))
-    """)
-    assert [words[1] for words in built] == ["*fp32", "*fp16", "*bf16", "*fp64"]
-    for words in built:
-        ops = words[2:]
-        assert not any(op.startswith("sub.") for op in ops), words
-        assert any(op.startswith(("xor.", "neg.", "mul.f", "mul.bf")) for op in ops), words
+    result = triton_builds.run_subprocess(None, check="fill_negative_zero", timeout=600)
+    assert not result["failures"] and not result["record_errors"], result
+    negating = [row for row in result["kernels"]
+                if row["kernel"] == "fill_kernel" and row["constexprs"].get("NEGATE")]
+    # every dtype's -0.0 launched one (float64 writes through float32's)
+    assert sorted(dtype for row in negating for _, dtype in row["cases"]) == [
+        "bfloat16", "float16", "float32", "float64"], result["kernels"]
+    built = {row["dtype"]: row["ptx_arithmetic"] for row in negating}
+    for dtype, ops in built.items():
+        assert not any(op.startswith("sub.") for op in ops), (dtype, ops)
+        # a sign flip: the sign bit's xor, a negation or a float product by -1
+        assert any(re.match(r"(xor\.b|neg\.b?f|mul(\.rn)?\.b?f)", op) for op in ops), (dtype, ops)

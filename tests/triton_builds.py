@@ -320,9 +320,22 @@ def _grouped_mm_forms():
                                                                False))]
 
 
+def _fill_negative_zero():
+    """fill with -0.0 in every float dtype it writes."""
+    import torch
+
+    import torch_pallas
+
+    return [("-0.0", str(dtype).removeprefix("torch."),
+             functools.partial(torch_pallas.fill, (1000,), -0.0, dtype=dtype))
+            for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)]
+
+
 # Feature checks the ops' own tests run (their smallest config per launch):
-# tests/test_rms_norm.py, test_attention_triton.py, test_grouped_mm_triton.py.
+# tests/test_rms_norm.py, test_attention_triton.py, test_grouped_mm_triton.py,
+# test_fill.py.
 CHECKS = {"rms_norm_casting_modes": _rms_norm_casting_modes,
+          "fill_negative_zero": _fill_negative_zero,
           "attention_options": _attention_options,
           "grouped_mm_forms": _grouped_mm_forms}
 
@@ -528,10 +541,16 @@ def _cuobjdump(cubin: bytes, option: str) -> str:
                               text=True, check=True).stdout
 
 
+# The PTX's float and bitwise arithmetic on values (sub.f32, neg.f16, xor.b32,
+# mul.rn.bf16, ...): what a feature check reads of how a kernel computes.
+_ARITHMETIC = re.compile(r"\b(?:add|sub|mul|neg|xor|and|or)\.[a-z0-9.]+")
+
+
 def analyse(kernel) -> dict:
     """What a compiled kernel asks of the GPU: registers a thread, its stack
     frame and local memory (bytes), bytes of spill stores and loads (its
-    SASS's STL and LDL), and its HGMMA (wgmma) instructions. The SASS (a
+    SASS's STL and LDL), its HGMMA (wgmma) instructions and its PTX's
+    arithmetic mnemonics (`ptx_arithmetic`). The SASS (a
     second or more a cubin) is read only where it can hold either: a
     kernel without a stack frame has no local memory to spill to, one
     without wgmma in its PTX no HGMMA."""
@@ -540,9 +559,10 @@ def analyse(kernel) -> dict:
     if found is None:
         raise RuntimeError(f"cuobjdump -res-usage found no resources in {kernel.name}'s cubin")
     registers, stack, _, local = map(int, found.groups())
+    ptx = kernel.asm["ptx"]
     usage = {"registers": registers, "stack": stack, "local": local, "spill_stores": 0,
-             "spill_loads": 0, "hgmma": 0}
-    wgmma = "wgmma.mma_async" in kernel.asm["ptx"]
+             "spill_loads": 0, "hgmma": 0, "ptx_arithmetic": sorted(set(_ARITHMETIC.findall(ptx)))}
+    wgmma = "wgmma.mma_async" in ptx
     if stack or local or wgmma:
         sass = _cuobjdump(cubin, "-sass")
         usage["spill_stores"], usage["spill_loads"] = local_bytes(sass)

@@ -268,7 +268,10 @@ def dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, *refs, sca
             first_q, per_head = 0, q_blocks
 
         def head_and_block(t):
-            return kv_head * group + t // per_head, first_q + t % per_head
+            # lax's truncating div and rem (t and per_head are >= 0): jnp's
+            # `%` guards a zero divisor with a constant that jax 0.11's
+            # Mosaic GPU lowering cannot place when per_head is traced (spans)
+            return kv_head * group + jax.lax.div(t, per_head), first_q + jax.lax.rem(t, per_head)
 
         def query_spec(cols):
             return plgpu.BlockSpec((None, bq, cols), lambda t: (*head_and_block(t), 0),

@@ -27,10 +27,11 @@ setup(
         "torch_pallas.kernels": "kernels",
     },
     install_requires=[
-        # torch 2.7 on: the oldest with every torch.library API used (docs/install.md);
-        # the lower bound keeps an installed CPU build
-        # instead of pulling a multi-GB CUDA build.
-        "torch>=2.7",
+        # torch 2.11 on: the oldest CI tests (the lent GPU machine's; CI
+        # tests 2.11, 2.12, 2.13 and the newest: docs/install.md). The
+        # lower bound keeps an installed CPU build instead of pulling a
+        # multi-GB CUDA build.
+        "torch>=2.11",
         "jax>=0.10.2",
         "jaxlib>=0.10.2",
         "numpy",
@@ -45,15 +46,17 @@ setup(
     ],
     extras_require={
         # The `triton` backend on CPU (TRITON_INTERPRET=1); CUDA builds of
-        # torch bring their own triton.
-        "triton": ["triton>=3.0"],
+        # torch bring their own triton. 3.6 on: what CI tests (3.6, the GPU
+        # machine's, with its compile for sm_90a; 3.7, 3.8 and the newest).
+        "triton": ["triton>=3.6"],
         # expecttest: torch.testing._internal (PyTorch's own sample inputs).
         # transformers: tests/test_nn.py converts a small GPT-2 (its Conv1D layers);
-        # torch_pallas.transformers needs 4.56 on (CI tests it and the newest).
+        # torch_pallas.transformers needs 4.56 on (CI tests 4.56, 5.17, the
+        # newest, and versions between: docs/install.md).
         # jax[tpu]: libtpu at JAX's own pin, whose compile-only client
         # tests/test_tpu_compile.py compiles every TPU kernel with (no chip;
         # libtpu ships for Linux only).
-        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "matplotlib", "expecttest", "triton>=3.0",
+        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "matplotlib", "expecttest", "triton>=3.6",
                  "transformers>=4.56", "jax[tpu]; sys_platform == 'linux'"],
     },
 )

@@ -23,16 +23,17 @@ Phases (`--list` prints every case with a rough time on one H100):
   by torch_pallas.transformers.apply against unpatched: time, peak memory,
   loss.
 
-On the lent GPU machine, one device call each (`bench/gpu_machine.sh`, by
-another hand, installs the project with `pip install --no-deps -e .` and
-sets the environment). Correctness first, in two calls of ~5 minutes
-(its --quick total, ~9 minutes, is more than one call), then speed, then
-training:
+On the lent GPU machine, one device call each (`bench/gpu_machine.sh`
+installs the project with `pip install --no-deps -e .` and the wheels
+carried in .gpu-wheels/, and sets the environment). Correctness first, in
+two calls of ~5 minutes (its --quick total, ~9 minutes, is more than one
+call), then speed, then training (a session's 15 device minutes hold
+correctness and speed; training takes the next one's):
 
-    bash bench/gpu_machine.sh && python bench/gpu_check.py --phase correctness --quick --out $OUT/correctness --case ops --case attention --case examples --case pytest_gpu
-    bash bench/gpu_machine.sh && python bench/gpu_check.py --phase correctness --quick --out $OUT/correctness2 --case realistic_matmul --case realistic_attention --case realistic_grouped_mm --case realistic_rows --case realistic_lce --case dlpack --case streams --case compile --case cuda_graphs_step
-    bash bench/gpu_machine.sh && python bench/gpu_check.py --phase speed --quick --out $OUT/speed --liger-wheel-dir wheels
-    bash bench/gpu_machine.sh && python bench/gpu_check.py --phase training --quick --out $OUT/training
+    source bench/gpu_machine.sh && python bench/gpu_check.py --phase correctness --quick --out $OUT/correctness --case ops --case attention --case examples --case pytest_gpu
+    source bench/gpu_machine.sh && python bench/gpu_check.py --phase correctness --quick --out $OUT/correctness2 --case realistic_matmul --case realistic_attention --case realistic_grouped_mm --case realistic_rows --case realistic_lce --case dlpack --case streams --case compile --case cuda_graphs_step
+    source bench/gpu_machine.sh && python bench/gpu_check.py --phase speed --quick --out $OUT/speed --liger-wheel-dir .gpu-wheels
+    source bench/gpu_machine.sh && python bench/gpu_check.py --phase training --quick --out $OUT/training
 
 (device tool: timeout_s 480 for each; --budget-s, 420 s by default, keeps
 a call inside that.) Without --quick, or to rerun a part:

@@ -91,15 +91,21 @@ def cases():
                                    id=f"{info.name}-{gpu}-{tier}")
 
 
-# Spills found and not yet fixed, by kernel: (spill store bytes at most,
-# what and why). A case whose only problems are these is an expected
-# failure (xfail), not a pass: the kernel is to be fixed, and this entry
-# removed with it.
-KNOWN_SPILLS: dict[str, tuple[int, str]] = {}
+# Spills found and not yet fixed, by (kernel, a parameter the build sets):
+# (spill store bytes at most, what and why). A case whose only problems are
+# these is an expected failure (xfail), not a pass: the kernel is to be
+# fixed, and this entry removed with it.
+KNOWN_SPILLS: dict[tuple[str, str], tuple[int, str]] = {
+    ("attention_backward", "softcap"): (
+        104, "dK/dV with a softcap keeps one more (64, 64) float32 tile live in the loop "
+             "(the capped scores' derivative) beside S/P, dP and the accumulators: 84 B on "
+             "jax 0.11.2, 104 B on 0.10.2, D128"),
+}
 
 
 def _known_spill(build: dict, cubin: dict) -> bool:
-    bound, _ = KNOWN_SPILLS.get(build["kernel"], (0, ""))
+    bound = max((bytes_ for (kernel, param), (bytes_, _) in KNOWN_SPILLS.items()
+                 if kernel == build["kernel"] and f"'{param}'" in build["params"]), default=0)
     return cubin["spill_stores"] <= bound and cubin["spill_loads"] <= bound + 8
 
 

@@ -473,16 +473,19 @@ class Recorder:
     def _shaping_entry(self, build: Build):
         """The function whose outputs' shapes a call gets: the hardware's
         kernel, or, for a call it refuses (another backend runs it there;
-        its entry may raise on it), the family's simulated one."""
+        its entry may raise on it, as Mosaic GPU's attention does on
+        float32), JAX's generic interpreter's (the `interpret` backend's
+        kernel takes every dtype an op accepts; the shapes are the op's)."""
         import torch
 
-        from torch_pallas.runtime import backends
+        from torch_pallas.runtime import backends, registry
 
         family = self.family
         spec = kernel_spec(build.kernel, family)
         if spec.refusal(family.config_backend, build.avals, build.params) is None:
             return entry(build, self.device, family)
-        simulator = backends.get(family.family_backend)
+        simulator = backends.get("interpret")
+        spec = registry.get(build.kernel).kernel(simulator)
         config = spec.config(simulator.name, build.avals, build.params, None)
         execution = simulator.execution(device=torch.device("cpu"), takes_inputs=bool(build.avals))
         return functools.partial(spec.run, **build.params, config=config, **execution)

@@ -352,7 +352,7 @@ def op_dtypes(op: str) -> tuple:
 DEFAULT_DTYPE = "bfloat16"
 
 
-def _realistic_calls(op: str, family: Family = TPU):
+def realistic_calls(op: str, family: Family = TPU):
     """(case, dtype, tier) of each realistic call of `op` for `family`."""
     for case in family.realistic.get(op, ()):
         dtypes = case.dtypes or op_dtypes(op)
@@ -365,7 +365,7 @@ def _realistic_calls(op: str, family: Family = TPU):
 def tiers_of(op: str, family: Family = TPU) -> tuple[str, ...]:
     """The tiers that hold calls of `op`: default always, exhaustive where
     some realistic call is there."""
-    if any(tier == "exhaustive" for *_, tier in _realistic_calls(op, family)):
+    if any(tier == "exhaustive" for *_, tier in realistic_calls(op, family)):
         return ("default", "exhaustive")
     return ("default",)
 
@@ -386,7 +386,7 @@ def calls(op: str, tier: str, family: Family = TPU) -> list[tuple[str, str | Non
             for example in info.examples(torch.device("cpu"), True):
                 _backward(*_as_tuple(info.overload(*example.args, **example.kwargs)))
         out.append(("examples", None, examples))
-    for case, dtype, its_tier in _realistic_calls(op, family):
+    for case, dtype, its_tier in realistic_calls(op, family):
         if tier in ("all", its_tier):
             out.append((case.name, str(dtype).removeprefix("torch."),
                         functools.partial(case.call, dtype)))

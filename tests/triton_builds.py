@@ -31,13 +31,11 @@ local-memory stores and loads (STL/LDL: Triton allocates no local arrays,
 so these are spills) and whether it uses Hopper's HGMMA. cuobjdump ships
 with the triton wheel (triton/backends/nvidia/bin).
 
-The calls of an op: tests/tpu_builds.py's (`calls(op, tier)`: the registered
-examples, the TPU table's realistic cases) and this module's GPU-sized ones
-(`GPU_REALISTIC`: Llama-8B/70B-like products, 4096-token attention, Mixtral
-and Qwen3-MoE expert products, a 128256-word vocabulary). Their inputs are
-`torch.empty`: only their shapes, strides and alignment reach a compile
-(CPU tensors from torch.empty are 64-byte aligned, as CUDA's are at least
-16), so an 8192x14336 operand costs its allocation, not random numbers.
+The calls of an op: the H100's, which the Mosaic GPU compile takes too
+(tests/mosaic_gpu_builds.py's REALISTIC: Llama-like products, 4096-token
+attention, packed sequences, Mixtral- and Qwen3-MoE-like expert products,
+8192-wide rows, a 128256-word vocabulary; `calls`), and the registered
+examples.
 
 Run as a script, in a process of its own (without TRITON_INTERPRET: the
 kernels are decorated at import as compiled or interpreted):
@@ -63,8 +61,9 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import mosaic_gpu_builds  # noqa: E402  (the H100's calls, shared by both GPU families)
 import tpu_builds  # noqa: E402  (the calls and the JSON-alone main are shared)
-from tpu_builds import Case, first_line  # noqa: E402
+from tpu_builds import first_line  # noqa: E402
 
 TIERS = tpu_builds.TIERS
 # H100 (SXM and PCIe alike): compute capability 9.0, 32-thread warps; the
@@ -83,7 +82,7 @@ ENV_SET = {"TRITON_DEFAULT_FP_FUSION": "1", "PYTHONWARNINGS": "ignore"}
 CUOBJDUMP = "cuobjdump"
 
 
-# --- GPU-sized calls ---------------------------------------------------------------
+# --- inputs for the feature checks ---------------------------------------------------
 
 
 def _empty(shape, dtype, grad: bool = True):
@@ -105,149 +104,20 @@ def _backward(*outputs) -> None:
         torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])
 
 
-def _matmul(m, k, n):
-    def call(dtype):
-        import torch_pallas
-
-        _backward(torch_pallas.matmul(_empty((m, k), dtype), _empty((k, n), dtype)))
-    return call
-
-
-def _attention(b=2, hq=16, hkv=16, length=4096, d=128, causal=True, sinks=False, **kwargs):
-    def call(dtype):
-        import torch_pallas
-
-        q = _empty((b, hq, length, d), dtype)
-        k, v = _empty((b, hkv, length, d), dtype), _empty((b, hkv, length, d), dtype)
-        extra = {"sinks": _empty((hq,), dtype)} if sinks else {}
-        _backward(torch_pallas.attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv,
-                                         **kwargs, **extra))
-    return call
-
-
-def _varlen_attention(lengths, hq=16, hkv=16, d=128, **kwargs):
-    def call(dtype):
-        import torch
-
-        import torch_pallas
-
-        tokens = sum(lengths)
-        q = _empty((tokens, hq, d), dtype)
-        k, v = _empty((tokens, hkv, d), dtype), _empty((tokens, hkv, d), dtype)
-        cu_seq = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        _backward(torch_pallas.varlen_attention(q, k, v, cu_seq, cu_seq, max(lengths),
-                                                max(lengths), enable_gqa=hq != hkv, **kwargs))
-    return call
-
-
-def _grouped_mm(group_rows, k, n):
-    def call(dtype):
-        import torch
-
-        import torch_pallas
-
-        offs = torch.tensor(group_rows).cumsum(0).to(torch.int32)
-        a, b = _empty((sum(group_rows), k), dtype), _empty((len(group_rows), k, n), dtype)
-        _backward(torch_pallas.grouped_mm(a, b, offs=offs))
-    return call
-
-
-def _linear_cross_entropy(tokens, hidden, vocab):
-    def call(dtype):
-        import torch
-
-        import torch_pallas
-
-        target = torch.randint(0, vocab, (tokens,))
-        _backward(torch_pallas.linear_cross_entropy(_empty((tokens, hidden), dtype),
-                                                    _empty((vocab, hidden), dtype), target))
-    return call
-
-
-def _uneven(total: int, groups: int, seed: int = 0) -> tuple[int, ...]:
-    """`groups` uneven row counts summing to `total` (a router's load: some
-    experts take several times the mean, one none), none a multiple of 16."""
-    import random
-
-    rng = random.Random(seed)
-    weights = [rng.uniform(0.2, 3.0) for _ in range(groups)]
-    weights[groups // 2] = 0.0
-    rows = [int(total * w / sum(weights)) // 16 * 16 + rng.randrange(1, 16) for w in weights]
-    rows[groups // 2] = 0
-    rows[-1] += total - sum(rows)
-    return tuple(rows)
-
-
-MIXTRAL_ROWS = _uneven(16384, 8)  # 8192 tokens, top-2 of 8 experts
-QWEN3_MOE_ROWS = _uneven(32768, 128, seed=1)  # 4096 tokens, top-8 of 128 experts
-PACKED_GPU = (3000, 1517, 5579, 4000, 2288)  # 16384 tokens in uneven sequences
-
-# GPU-sized calls, beside tests/tpu_builds.py's REALISTIC (which the TPU
-# compile shares): what a training step on an H100 launches. The default
-# tier holds the unmarked ones in bfloat16 (tpu_builds' rule).
-GPU_REALISTIC: dict[str, list[Case]] = {
-    "matmul": [
-        Case("4096x4096 @ 4096x4096", _matmul(4096, 4096, 4096)),
-        Case("8192x4096 @ 4096x14336 (an MLP projection)", _matmul(8192, 4096, 14336)),
-        Case("8192x8192 @ 8192x8192", _matmul(8192, 8192, 8192), exhaustive=True),
-    ],
-    "attention": [
-        Case("B2 H16 L4096 D128 causal", _attention()),
-        Case("B2 H16/4 L4096 D128 causal GQA", _attention(hkv=4), exhaustive=True),
-        Case("B2 H16 L4096 D128 window (1024, 0)",
-             _attention(causal=False, window_size=(1024, 0)), exhaustive=True),
-        Case("B2 H16 L4096 D128 causal softcap 50", _attention(softcap=50.0), exhaustive=True),
-        Case("B2 H16 L4096 D128 causal sinks", _attention(sinks=True), exhaustive=True),
-    ],
-    "varlen_attention": [
-        Case(f"packed {PACKED_GPU} H16 D128 causal",
-             _varlen_attention(PACKED_GPU, window_size=(-1, 0))),
-        Case(f"packed {PACKED_GPU} H16/4 D128 causal GQA",
-             _varlen_attention(PACKED_GPU, hkv=4, window_size=(-1, 0)), exhaustive=True),
-    ],
-    "grouped_mm": [
-        Case("Mixtral-like: 8 experts, 16384x4096 @ 8x4096x14336, uneven",
-             _grouped_mm(MIXTRAL_ROWS, 4096, 14336)),
-        Case("Qwen3-MoE-like: 128 experts, 32768x2048 @ 128x2048x768, uneven",
-             _grouped_mm(QWEN3_MOE_ROWS, 2048, 768), exhaustive=True),
-    ],
-    "linear_cross_entropy": [
-        Case("8192 tokens x 4096, V 128256", _linear_cross_entropy(8192, 4096, 128256),
-             exhaustive=True),
-    ],
-}
-
-
-def _gpu_calls(op: str):
-    """(case, dtype, tier) of each GPU-sized call of `op`, tiered as
-    tpu_builds tiers its realistic calls."""
-    for case in GPU_REALISTIC.get(op, ()):
-        dtypes = case.dtypes or tpu_builds.op_dtypes(op)
-        names = [str(d).removeprefix("torch.") for d in dtypes]
-        default = (tpu_builds.DEFAULT_DTYPE if tpu_builds.DEFAULT_DTYPE in names else names[0])
-        for dtype, name in zip(dtypes, names):
-            tier = "default" if name == default and not case.exhaustive else "exhaustive"
-            yield case, dtype, tier
-
-
 def calls(op: str, tier: str) -> list[tuple[str, str | None, object]]:
     """(case name, dtype name or None, thunk) of every call of `op` in
-    `tier`. The default tier holds the realistic calls in bfloat16
-    (tpu_builds.calls's and the GPU-sized ones): each is a kernel config
-    space compiled whole (every autotune config, 1-2 s a cubin), and the
-    default run must stay within minutes. The exhaustive tier holds the
-    registered examples (every dtype, ragged shapes: other
-    specializations), the other dtypes and the cases marked exhaustive."""
+    `tier`: the H100's calls, as the Mosaic GPU compile takes them
+    (mosaic_gpu_builds.REALISTIC), tiered differently. The default tier
+    holds the realistic calls in bfloat16: each is a kernel config space
+    compiled whole (every autotune config, 1-2 s a cubin), and the default
+    run must stay within minutes. The exhaustive tier holds the registered
+    examples (every dtype, ragged shapes: other specializations), the
+    other dtypes and the cases marked exhaustive."""
     out = []
-    for name, dtype, call in tpu_builds.calls(op, "all"):
-        its_tier = "exhaustive" if name == "examples" else None
-        if its_tier is None:
-            its_tier = ("default" if any(name == c[0] and dtype == c[1]
-                                         for c in tpu_builds.calls(op, "default")[1:])
-                        else "exhaustive")
-        if tier in ("all", its_tier):
-            out.append((name, dtype, call))
-    for case, dtype, its_tier in _gpu_calls(op):
+    if tier in ("exhaustive", "all"):
+        out += [call for call in tpu_builds.calls(op, "default", mosaic_gpu_builds.FAMILY)
+                if call[0] == "examples"]
+    for case, dtype, its_tier in tpu_builds.realistic_calls(op, mosaic_gpu_builds.FAMILY):
         if tier in ("all", its_tier):
             out.append((case.name, str(dtype).removeprefix("torch."),
                         functools.partial(case.call, dtype)))

@@ -104,6 +104,14 @@ def _backward(*outputs) -> None:
         torch.autograd.backward(outs, [torch.empty_like(o) for o in outs])
 
 
+def triton_version() -> str:
+    """The installed Triton's version, without importing it (the test
+    process must not decide between compiled and interpreted kernels)."""
+    import importlib.metadata
+
+    return importlib.metadata.version("triton")
+
+
 def calls(op: str, tier: str) -> list[tuple[str, str | None, object]]:
     """(case name, dtype name or None, thunk) of every call of `op` in
     `tier`: the H100's calls, as the Mosaic GPU compile takes them

@@ -246,7 +246,7 @@ def test_the_dispatch_check_sees_torch_grouped_mm():
 def test_from_config_and_set_experts_implementation():
     ids = torch.randint(0, VOCAB, BATCH)
     m = model("qwen3_moe", "pallas").eval()
-    assert m.get_experts_implementation()[""] == "pallas"
+    assert m.config._experts_implementation == "pallas"  # what get_experts_implementation reads (5.1x on)
     with torch.no_grad(), Ops() as ops:
         on_pallas = m(input_ids=ids).logits
     assert "pallas::grouped_mm" in ops.names

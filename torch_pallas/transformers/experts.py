@@ -68,12 +68,32 @@ def flag(module: torch.nn.Module, name: str) -> bool:
 
 def experts_interface():
     """transformers' `ExpertsInterface` class, or None where this
-    transformers has none (before 5.0)."""
+    transformers has none (before 5.0) or its models take none of the
+    names registered there (5.0 accepts its own three alone)."""
     try:
         from transformers.integrations.moe import ExpertsInterface
     except ImportError:
         return None
-    return ExpertsInterface
+    return ExpertsInterface if _models_take_registered_experts() else None
+
+
+@functools.cache
+def _models_take_registered_experts() -> bool:
+    """Whether `set_experts_implementation` accepts a name registered in
+    the interface (ours, registered for the question: what `register`
+    does), asked of the check models run on it before they read anything
+    of themselves (no model built)."""
+    from transformers import PreTrainedModel
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(NAME, experts_forward)
+    try:
+        PreTrainedModel.get_correct_experts_implementation(None, NAME)
+    except ValueError:
+        return False  # its own names alone
+    except (AttributeError, TypeError):
+        pass  # past the name's check, reading the model it was not given
+    return True
 
 
 def register() -> bool:

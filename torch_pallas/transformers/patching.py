@@ -707,8 +707,9 @@ def _experts(model, checks: _Checks) -> int:
 
             name, m = moe[0]
             checks.leave_alone(name, m, f"transformers {transformers.__version__} has no experts "
-                               "interface (transformers.integrations.moe, 5.0 on): the experts "
-                               f"of its {len(moe)} MoE layers stay on torch")
+                               "interface that takes another implementation (transformers."
+                               "integrations.moe; 5.0's models take its own three alone): the "
+                               f"experts of its {len(moe)} MoE layers stay on torch")
         return 0
     layers = [(name, m) for name, m in model.named_modules() if _dispatches_experts(type(m))]
     if not (layers and _switchable(model, checks, layers, "experts modules",

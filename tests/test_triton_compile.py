@@ -28,7 +28,6 @@ commit that added it; a warm cache (~/.triton/cache) makes reruns seconds.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import subprocess
 
 import pytest
@@ -36,9 +35,6 @@ import pytest
 from torch_pallas.runtime import registry
 
 import triton_builds
-
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton (the compiler) is not installed")
 
 TIMEOUT_S = {"default": 900, "exhaustive": 3600}
 

@@ -564,6 +564,21 @@ def abstract_device(chip: str):
 _VMEM_SIZES = re.compile(r"Scoped allocation with size (\S+) and limit (\S+) exceeded")
 
 
+def recorded_builds(op: str, tier: str, result: dict) -> list[dict]:
+    """A compile report's builds, for a compile test: fails the test
+    (pytest.fail, every call listed) where calls failed before reaching
+    their kernels, and asserts that the tier made some kernel call."""
+    import pytest
+
+    errors = [f"  {e['case']} [{e['dtype']}]: {e['error']}\n{e['traceback']}"
+              for e in result["record_errors"]]
+    if errors:
+        pytest.fail(f"{op}: calls that failed before their kernels:\n" + "\n".join(errors),
+                    pytrace=False)
+    assert result["builds"], f"{op}: its calls in the {tier} tier made no kernel call"
+    return result["builds"]
+
+
 def first_line(error: BaseException) -> str:
     """The error's type and first line (for a scoped VMEM overflow, with
     the allocation's size and the limit)."""

@@ -80,6 +80,8 @@ WGMMA_KERNELS = ("matmul", "attention", "attention_backward", "grouped_mm",
 
 def plugin_installed() -> bool:
     """Whether a JAX CUDA plugin (XLA's compile-only CUDA client) is here."""
+    if importlib.util.find_spec("jax_plugins") is None:  # no plugin at all
+        return False
     return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") is not None
                for v in (12, 13))
 

@@ -74,3 +74,50 @@ def visible(spans: torch.Tensor, kv_length: int) -> torch.Tensor:
     """(rows, kv_length) bool: which keys each row sees (for references)."""
     j = torch.arange(kv_length, device=spans.device)
     return (spans[:, :1] <= j) & (j < spans[:, 1:])
+
+
+# --- a padded batch as packed sequences ---------------------------------------------
+#
+# A self-attention batch padded to one length (B rows of S tokens, `padding`
+# (B, S) true at the real tokens, each row's real tokens one run: left,
+# right or both sides padded) is folded into one row of B·S tokens, row b's
+# tokens at b·S + j, and cut into five sequences a row:
+#
+#     queries:  padding before | (none)          | real | padding after | (none)
+#     keys:     (none)         | padding before  | real | (none)        | padding after
+#
+# so a real token sees its row's real tokens alone (the window and causal
+# rule aligned in the real run, which starts at the same index for queries
+# and keys), a padding token's query sees no key (o = 0, gradient 0: what
+# flash-attention gives a padded row after unpadding), and no padding key
+# is seen. The lengths are data; the number of sequences, 5B, is not.
+
+SEQUENCES_PER_ROW = 5
+# What the JAX-side paths say, refusing a dense mask, that they serve instead.
+PADDING_SERVED = ('a padding mask is served as packed sequences: '
+                  'torch_pallas.jax.attention(padding_mask=...), and transformers\' '
+                  'attn_implementation="pallas" sends a tokenizer\'s attention_mask that way')
+
+
+def padded_batch_sequences(padding: torch.Tensor):
+    """(cu_seq_q, cu_seq_k, holes) for `padding` (B, S), bool or 0/1
+    integers (1: a real token): cu_seq_* (5B + 1,) int32 of the folded batch
+    (above), holes (B,) bool true where a row's real tokens are not one run
+    (the sequences then cover the run from its first real token to its
+    last, padding between included: callers refuse or poison such rows)."""
+    real = padding != 0
+    batch, length = real.shape
+    index = torch.arange(length, dtype=torch.int64, device=real.device)
+    count = real.sum(-1)
+    start = torch.where(real, index, length).amin(-1)
+    end = torch.where(real, index + 1, 0).amax(-1)
+    start = torch.where(count > 0, start, 0)  # a row with no real token: all of it padding
+    end = torch.maximum(end, start)
+    holes = count != end - start
+    zero, size = torch.zeros_like(start), end - start
+    queries = torch.stack((start, zero, size, length - end, zero), dim=-1)
+    keys = torch.stack((zero, start, size, zero, length - end), dim=-1)
+    first = torch.zeros(1, dtype=torch.int64, device=real.device)
+    cu_q = torch.cat((first, queries.reshape(-1).cumsum(0))).to(torch.int32)
+    cu_k = torch.cat((first, keys.reshape(-1).cumsum(0))).to(torch.int32)
+    return cu_q, cu_k, holes

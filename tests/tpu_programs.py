@@ -92,6 +92,11 @@ def programs(tier: str = "all"):
         f"attention causal B1 H8 L8192 D128 in a scan of {LAYERS} layers": (
             _scan_layers(lambda q, kv: tpj.attention(q, kv[0], kv[1], is_causal=True)),
             [((1, 8, 8192, 128), bf16), ((LAYERS, 2, 1, 8, 8192, 128), bf16)]),
+        # a tokenizer's padding mask, traced: the batch as packed sequences
+        "attention causal, padded batch B4 H8 L2048 D128 (padding_mask traced)": (
+            lambda q, kv, mask: tpj.attention(q, kv[0], kv[1], is_causal=True,
+                                              padding_mask=mask).astype("float32").sum(),
+            [((4, 8, 2048, 128), bf16), ((2, 4, 8, 2048, 128), bf16), ((4, 2048), jnp.bool_)]),
     }
     assert set(EXHAUSTIVE_ONLY) <= set(every)
     return {name: program for name, program in every.items()

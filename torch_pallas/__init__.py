@@ -63,11 +63,19 @@ __all__ = [
 ]
 
 
+# The integrations `import torch_pallas` leaves unloaded, each imported when
+# first named (`torch_pallas.torchax.register()`): `jax` imports JAX,
+# `transformers`'s register imports transformers.
+_LAZY = ("jax", "torchax", "torch_tpu", "transformers")
+
+
 def __getattr__(name: str):
-    # `torch_pallas.transformers` is loaded when first used (its `register`
-    # imports transformers).
-    if name == "transformers":
+    if name in _LAZY:
         import importlib
 
-        return importlib.import_module("torch_pallas.transformers")
+        return importlib.import_module(f"torch_pallas.{name}")
     raise AttributeError(f"module 'torch_pallas' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})

@@ -543,9 +543,12 @@ def _rotary_embedding_backward(grad_q, grad_k, cos, sin, unsqueeze_dim=1, q=None
 
 
 def _attention_refusals(op: str, mask, dropout_p):
+    from torch_pallas.ops import attention_spans
+
     if mask is not None:
         _refuse(op, f"mask (a {tuple(mask.shape)} tensor) is not supported: the kernels' dense "
-                "mask has no JAX-side form (is_causal, window_size and packed sequences have)")
+                "mask has no JAX-side form (is_causal, window_size and packed sequences have; "
+                f"{attention_spans.PADDING_SERVED})")
     if dropout_p:
         _refuse(op, f"dropout_p={dropout_p} is not supported (only 0)")
 

@@ -20,8 +20,8 @@ conversion turns a callable into a torch-side one.)
         model.to("jax"); loss = model(**batch).loss; loss.backward()
 
 What the JAX-side forms do not take is refused with the op's name and the
-argument: a dense attention mask or dropout (transformers' pallas attention
-sends a mask only for padded batches), rotary angles unsqueezed elsewhere
+argument: a dense attention mask (a padded batch's is served as packed
+sequences: transformers' pallas attention sends it so) or dropout, rotary angles unsqueezed elsewhere
 than before the heads or the sequence.
 
 torchax 0.0.13 imports only on torch < 2.13 (it names an aten overload
@@ -40,6 +40,7 @@ import math
 import torch
 
 from torch_pallas.kernels.rms_norm_casting import Casting
+from torch_pallas.ops import attention_spans
 
 _registered: set[int] = set()  # id() of the environments registered
 
@@ -60,7 +61,8 @@ def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
               enable_gqa=False, window_size=(-1, -1), softcap=0.0, sinks=None):
     op = "pallas::attention"
     if attn_mask is not None:
-        _refuse(op, "attn_mask is not supported (the kernels' dense mask has no JAX-side form)")
+        _refuse(op, "attn_mask is not supported: the kernels' dense mask has no JAX-side "
+                f"form ({attention_spans.PADDING_SERVED})")
     if dropout_p:
         _refuse(op, f"dropout_p={dropout_p} is not supported (only 0)")
     if query.shape[-3] != key.shape[-3] and not enable_gqa:
@@ -75,7 +77,8 @@ def attention_forward(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=None,
                       max_q=0, max_k=0):
     op = "pallas::attention_forward"
     if mask is not None:
-        _refuse(op, "mask is not supported (the kernels' dense mask has no JAX-side form)")
+        _refuse(op, "mask is not supported: the kernels' dense mask has no JAX-side form "
+                f"({attention_spans.PADDING_SERVED})")
     if dropout_p:
         _refuse(op, f"dropout_p={dropout_p} is not supported (only 0)")
     forms = _jax()

@@ -74,6 +74,28 @@ def key_spans(spans, kv_length: int):
     return jnp.stack((first, jnp.maximum(past, first)), axis=-1).astype(jnp.int32)
 
 
+def padded_batch_sequences(padding):
+    """(cu_seq_q, cu_seq_k, holes) of a padded batch folded into one row of
+    packed sequences, five a row (ops/attention_spans.py's, in jax.numpy):
+    `padding` (B, S) true or nonzero at the real tokens."""
+    real = padding != 0
+    batch, length = real.shape
+    index = jnp.arange(length, dtype=jnp.int32)
+    count = real.sum(-1, dtype=jnp.int32)
+    start = jnp.where(real, index, length).min(-1)
+    end = jnp.where(real, index + 1, 0).max(-1)
+    start = jnp.where(count > 0, start, 0)
+    end = jnp.maximum(end, start)
+    holes = count != end - start
+    zero = jnp.zeros_like(start)
+    queries = jnp.stack((start, zero, end - start, length - end, zero), axis=-1)
+    keys = jnp.stack((zero, start, end - start, zero, length - end), axis=-1)
+    first = jnp.zeros((1,), jnp.int32)
+    cu_q = jnp.concatenate((first, jnp.cumsum(queries.reshape(-1), dtype=jnp.int32)))
+    cu_k = jnp.concatenate((first, jnp.cumsum(keys.reshape(-1), dtype=jnp.int32)))
+    return cu_q, cu_k, holes
+
+
 # --- the kernels, sinks on top ------------------------------------------------------
 
 def _tables(static: Static, q, k, cu_seq_q, cu_seq_k):
@@ -173,14 +195,27 @@ def _check(op: str, q, k, v, window_size, softcap, sinks, heads_axis: int):
 
 
 def attention(query, key, value, *, is_causal: bool = False, scale: float | None = None,
-              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks=None):
+              window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks=None,
+              padding_mask=None):
     """SDPA on the Pallas attention kernels: query (B, Hq, L, D), key
     (B, Hk, S, D), value (B, Hk, S, Dv), Hk dividing Hq (grouped query
     heads); softmax statistics in float32. `window_size` (left, right): row
     i sees keys i - left <= j <= i + right (top-left, -1 unbounded; with
     `is_causal` the right side at most 0); `softcap` caps the scaled scores
     to c * tanh(s / c); `sinks` (Hq,) adds a logit per head to each row's
-    denominator. Differentiable in query, key, value and sinks."""
+    denominator. Differentiable in query, key, value and sinks.
+
+    `padding_mask` (B, L), bool or integers, true or nonzero at a batch's
+    real tokens (a tokenizer's attention_mask), for self-attention (L == S):
+    real tokens see their row's real tokens alone (the causal rule and the
+    window in token indices, as without padding), and a padding token's
+    row gives 0 with gradient 0 (flash-attention's rows after unpadding).
+    Each row's real tokens must be one run (left, right or both sides
+    padded): a concrete mask with holes raises ValueError; a traced one
+    (under jax.jit, not readable) gives NaN in those batch rows (which a
+    following layer on this function spreads to the others). The mask
+    is data: traced, it costs no recompilation, and the kernels read it as
+    five packed sequences a row (the varlen kernels' tables)."""
     op = "torch_pallas.jax.attention"
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise ValueError(f"{op}: query, key and value must be 4-D (B, H, L, D); got "
@@ -190,8 +225,36 @@ def attention(query, key, value, *, is_causal: bool = False, scale: float | None
                          "must share the batch, key and value the length")
     left, right = _check(op, query, key, value, window_size, softcap, sinks, heads_axis=1)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    if padding_mask is not None:
+        return _padded(op, query, key, value, padding_mask, is_causal, scale, left, right,
+                       softcap, sinks)
     static = Static(scale, bool(is_causal), left, right, float(softcap))
     return attention_forward(query, key, value, sinks, None, None, static)[0]
+
+
+def _padded(op, q, k, v, padding_mask, is_causal, scale, left, right, softcap, sinks):
+    """`attention` with a padding mask: the batch folded into one row of
+    packed sequences (`padded_batch_sequences`), out unfolded."""
+    batch, heads, length, _ = q.shape
+    if padding_mask.shape != (batch, length) or k.shape[2] != length:
+        raise ValueError(f"{op}: padding_mask must be (B, L) = ({batch}, {length}) for "
+                         f"self-attention (as many keys as queries); got padding_mask "
+                         f"{padding_mask.shape} for key {k.shape}")
+    if not (padding_mask.dtype == jnp.bool_ or jnp.issubdtype(padding_mask.dtype, jnp.integer)):
+        raise TypeError(f"{op}: padding_mask must be bool or integers, got "
+                        f"{jnp.dtype(padding_mask.dtype).name}")
+    cu_q, cu_k, holes = padded_batch_sequences(padding_mask)
+    if not isinstance(holes, jax.core.Tracer) and bool(holes.any()):
+        rows = [int(b) for b in jnp.nonzero(holes)[0]]
+        raise ValueError(f"{op}: padding_mask's real tokens must be one run a row (left, "
+                         f"right or both sides padded); rows {rows} have padding between them")
+    if is_causal:
+        right = 0
+    fold = lambda t: jnp.swapaxes(t, 0, 1).reshape(1, t.shape[1], batch * length, t.shape[3])
+    out, _ = attention_forward(fold(q), fold(k), fold(v), sinks, cu_q, cu_k,
+                               Static(scale, False, left, right, float(softcap)))
+    out = jnp.swapaxes(out.reshape(heads, batch, length, out.shape[-1]), 0, 1)
+    return jnp.where(holes.reshape(batch, 1, 1, 1), jnp.nan, out).astype(out.dtype)
 
 
 def _check_sequences(op: str, cu_seq_q, cu_seq_k, rows: int, keys: int) -> None:

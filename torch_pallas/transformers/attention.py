@@ -14,6 +14,7 @@ import torch
 
 # torch.ops.pallas.attention's public function (its direct path on plain eager calls).
 from torch_pallas.ops import attention as pallas_ops
+from torch_pallas.ops import attention_spans
 from torch_pallas.ops.attention import attention as pallas_attention
 from torch_pallas.transformers import experts as pallas_experts
 
@@ -102,6 +103,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if why is not None:
         raise ValueError(f"torch_pallas.transformers: attn_implementation={NAME!r} does not "
                          f"support {why}; use 'eager'")
+    if attention_mask is not None and attention_mask.dim() == 2:  # `pallas_mask`'s padding
+        return padded_attention(query, key, value, attention_mask, dropout, scaling,
+                                kwargs.get("sliding_window"), kwargs.get("softcap") or 0.0,
+                                kwargs.get("s_aux", kwargs.get("sinks"))), None
     q_length, kv_length = query.shape[2], key.shape[2]
     # As transformers' SDPA path decides it: decoding (one query) and
     # explicit masks attend as the mask says.
@@ -142,6 +147,41 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                bool(is_causal), scale=scaling, enable_gqa=gqa,
                                window_size=window_size, softcap=float(softcap), sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def padded_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     padding: torch.Tensor, dropout: float, scaling: float | None,
+                     window: int | None, softcap: float, sinks: torch.Tensor | None):
+    """Causal self-attention over a padded batch, `padding` (B, S) the
+    tokenizer's mask (true at real tokens) as `pallas_mask` passes it:
+    the batch folded into one row of packed sequences
+    (attention_spans.padded_batch_sequences), which every kernel family and
+    the JAX-side forms take, with no (L, S) tensor and no read of the mask's
+    values. Returns (B, L, H, Dv). A real token's output is the eager
+    model's; a padding token's is 0 (it sees no key), as after
+    flash-attention's unpadding. A row whose real tokens are not one run
+    (a mask with holes, which `pallas_mask` sends as a dense mask where it
+    can read it) gives NaN: under a trace nothing else can say so (the
+    next layer may spread it across the batch, whose rows share the folded
+    row's blocks)."""
+    batch, heads, length, _ = query.shape
+    if key.shape[2] != length:
+        raise ValueError(f"torch_pallas.transformers: a padding mask {tuple(padding.shape)} for "
+                         f"{length} queries over {key.shape[2]} keys (padded batches are "
+                         "served without a cache)")
+    cu_q, cu_k, holes = attention_spans.padded_batch_sequences(padding)
+
+    def fold(t):  # (B, H, S, D) -> (1, H, B·S, D); a view where t is (B, S, H, D) in memory
+        return t.transpose(1, 2).reshape(1, batch * length, t.shape[1], t.shape[3]).transpose(1, 2)
+
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    seed = pallas_ops.dropout_seed(query.device) if dropout > 0 else None
+    left = window - 1 if window is not None else -1
+    out, _ = torch.ops.pallas.attention_forward(
+        fold(query), fold(key), fold(value), None, scale, False, float(dropout), seed, left, 0,
+        float(softcap), sinks, cu_q, cu_k, 0, 0)
+    out = out.transpose(1, 2).reshape(batch, length, heads, out.shape[-1])
+    return torch.where(holes.reshape(batch, 1, 1, 1), torch.nan, out)
 
 
 # --- the mask -------------------------------------------------------------------
@@ -186,19 +226,24 @@ def mask_structure(mask_function) -> int:
 
 
 def pallas_mask(*args, **kwargs):
-    """The mask transformers builds for attn_implementation="pallas":
-    None, where the batch has no padding and no cache offset and the mask
-    would only say causal, sliding window or packed sequences (which the
-    attention applies itself from `sliding_window`, `position_ids` or
-    `cu_seq_lens_*`, building no (L, S) tensor); else transformers' SDPA
-    mask, built from the very arguments transformers passed.
+    """The mask transformers builds for attn_implementation="pallas",
+    for a fresh batch (no cache offset) whose mask function says causal,
+    a sliding window or packed sequences, which the attention applies
+    itself from `sliding_window`, `position_ids` or `cu_seq_lens_*`:
 
-    Under torch.compile the choice is made from what the trace knows
-    without reading a tensor's values: a batch given a padding mask keeps
-    the dense mask (whether its rows are all ones is data), and so do
-    packed sequences known only from `position_ids` (their boundaries are
-    data; SDPA gets the same mask there). Packed sequences of more than one
-    row always do (the attention reads packing off a single row).
+    - None where there is no padding (no mask, or, where its values may be
+      read, one of all ones);
+    - a causal or windowed batch with padding: the padding mask itself,
+      (B, S) bool, which `attention_forward` serves as packed sequences
+      (`padded_attention`), with no (L, S) tensor and no read of its
+      values: eagerly, under torch.compile, under torchax's jax.jit and on
+      torch_tpu. Where the values may be read (a plain eager tensor) a mask
+      of all ones gives None, and one with holes (a row's real tokens not
+      one run) the dense mask below;
+    - else transformers' SDPA mask, built from the very arguments
+      transformers passed: a cache, a user's mask functions, chunks, and
+      packed sequences under torch.compile (their boundaries are data) or
+      of more than one row (the attention reads packing off a single row).
 
     transformers 5.x calls it with keywords `batch_size`, `q_length`,
     `kv_length`, `q_offset`, `kv_offset`, `mask_function`, `attention_mask`;
@@ -221,14 +266,28 @@ def pallas_mask(*args, **kwargs):
              and q_offset == 0 and kv_offset == 0 and q_length == kv_length)
     if not fresh:
         return sdpa_mask(**kwargs)
-    compiling = torch.compiler.is_compiling()
     structure = mask_structure(mask_function)
-    if structure == PLAIN or (structure == PACKED and kwargs.get("batch_size") == 1
-                              and not compiling):
-        padding = prepare_padding_mask(kwargs.get("attention_mask"), kv_length, kv_offset)
-        if padding is None or (not compiling and bool(padding.all())):
+    padding = prepare_padding_mask(kwargs.get("attention_mask"), kv_length, kv_offset)
+    readable = padding is not None and _readable(padding)
+    if structure == PLAIN:
+        if padding is None or (readable and bool(padding.all())):
+            return None
+        padding = padding[:, :kv_length]
+        if readable and bool(attention_spans.padded_batch_sequences(padding)[2].any()):
+            return sdpa_mask(**kwargs)  # holes: only a dense mask says that
+        return padding.bool()
+    if structure == PACKED and kwargs.get("batch_size") == 1 and not torch.compiler.is_compiling():
+        if padding is None or (readable and bool(padding.all())):
             return None
     return sdpa_mask(**kwargs)
+
+
+def _readable(tensor: torch.Tensor) -> bool:
+    """Whether a mask's values may be read on the host: a plain eager
+    tensor, not a trace's (torch.compile), a torchax tensor (jax.jit) nor a
+    torch_tpu one (whose read would stop the device's queue)."""
+    return (not torch.compiler.is_compiling() and type(tensor) is torch.Tensor
+            and tensor.device.type in ("cpu", "cuda"))
 
 
 def register() -> None:

@@ -20,17 +20,15 @@
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
-import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
 
+import padded_models
 import torch_pallas
-import torch_pallas.transformers
-from attention_reference import Case, bound, reference, run_kernel, torch_error
+from attention_reference import Case, bound, run_kernel, torch_error
+from padded_models import (FAMILIES, MODEL_PADDING, TOKENS, VOCAB, Squares, compare,
+                           gradients, model_pair, train_step)
 from torch_pallas.ops import attention_spans
 from torch_pallas.transformers import attention as hf_attention
 
@@ -39,11 +37,7 @@ TRITON = "torch_pallas.kernels.triton."
 
 
 def padding_of(rows, length=LENGTH) -> torch.Tensor:
-    """(B, length) long: each row's (padding before, real tokens) run."""
-    mask = torch.zeros(len(rows), length, dtype=torch.long)
-    for b, (before, real) in enumerate(rows):
-        mask[b, before:before + real] = 1
-    return mask
+    return padded_models.padding_of(rows, length)
 
 
 # left-padded, right-padded, both sides, unpadded: four lengths
@@ -226,86 +220,6 @@ def test_jax_padding_mask_refusals_and_holes():
     np.testing.assert_allclose(np.asarray(out[1]), expected.numpy(), rtol=1e-5, atol=2e-5)
 
 
-# --- models --------------------------------------------------------------------------
-
-VOCAB = 96
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              max_position_embeddings=128)
-# (model type, config keywords, apply()): windows of 5 that bind on 13 tokens
-FAMILIES = {
-    "llama": ("llama", {}, False),
-    "mistral": ("mistral", dict(sliding_window=5), False),
-    "gemma2": ("gemma2", dict(sliding_window=5, attn_logit_softcapping=7.0,
-                              final_logit_softcapping=None), False),
-    "gpt_oss": ("gpt_oss", dict(sliding_window=5, num_local_experts=4, num_experts_per_tok=2,
-                                intermediate_size=32,
-                                layer_types=["sliding_attention", "full_attention"]), True),
-    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), False),
-}
-TOKENS = 13
-# left-padded, right-padded, both sides: three lengths
-MODEL_PADDING = padding_of([(5, 8), (0, 10), (2, 9)], TOKENS)
-
-
-def model_pair(family: str):
-    """The same tiny model (same weights) on "eager" and on "pallas" (after
-    apply() for gpt-oss); gpt-oss with sinks that matter."""
-    model_type, keywords, apply = FAMILIES[family]
-    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **keywords})
-    reference = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager").train()
-    if family == "gpt_oss":
-        with torch.no_grad():
-            for layer in reference.model.layers:
-                layer.self_attn.sinks.normal_()
-    torch_pallas.transformers.register()
-    ours = copy.deepcopy(reference)
-    ours.set_attn_implementation("pallas")
-    if apply:
-        assert torch_pallas.transformers.apply(ours).attention
-    return reference, ours
-
-
-class Squares(TorchDispatchMode):
-    """Records the ops that make a tensor with two dimensions of `size`
-    (a tokens x tokens mask or score matrix)."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.size, self.seen = size, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and list(t.shape).count(self.size) >= 2:
-                self.seen.append((str(func), tuple(t.shape)))
-        return out
-
-
-def _step(model, ids, mask):
-    labels = ids.masked_fill(mask == 0, -100)
-    out = model(input_ids=ids, attention_mask=mask, labels=labels)
-    return out.logits, out.loss
-
-
-def _grads(model) -> dict:
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return grads
-
-
-def _compare(family, logits, loss, grads, expected):
-    ref_logits, ref_loss, ref_grads, real = expected
-    torch.testing.assert_close(logits[real], ref_logits[real], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
-    assert grads.keys() == ref_grads.keys(), family
-    for name, g in grads.items():
-        scale = ref_grads[name].abs().max().item()
-        torch.testing.assert_close(g, ref_grads[name], rtol=1e-3, atol=1e-5 * max(scale, 1.0),
-                                   msg=f"{family}: {name}")
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_padded_batch_and_an_all_ones_mask_match_eager(family, monkeypatch):
     """Eagerly and under torch.compile(fullgraph=True) (one graph for both
@@ -318,32 +232,34 @@ def test_a_padded_batch_and_an_all_ones_mask_match_eager(family, monkeypatch):
     ones = torch.ones_like(MODEL_PADDING)
     expected = {}
     for name, mask in (("padded", MODEL_PADDING), ("ones", ones)):
-        logits, loss = _step(reference, ids, mask)
+        logits, loss = train_step(reference, ids, mask)
         loss.backward()
-        expected[name] = (logits.detach(), loss.detach(), _grads(reference), mask.bool())
+        expected[name] = (logits.detach(), loss.detach(), gradients(reference), mask.bool())
 
-    folded = []
-    real_fold = attention_spans.padded_batch_sequences
-    monkeypatch.setattr(attention_spans, "padded_batch_sequences",
-                        lambda padding: folded.append(tuple(padding.shape)) or real_fold(padding))
+    folded = []  # the padding masks the attention layers were given
+    real_fold = hf_attention.padded_attention
+    monkeypatch.setattr(hf_attention, "padded_attention",
+                        lambda q, k, v, padding, *rest: folded.append(tuple(padding.shape))
+                        or real_fold(q, k, v, padding, *rest))
     with Squares(TOKENS) as squares:
-        logits, loss = _step(ours, ids, MODEL_PADDING)
+        logits, loss = train_step(ours, ids, MODEL_PADDING)
     loss.backward()
     assert not squares.seen, squares.seen[:3]
     layers = ours.config.num_hidden_layers
-    assert folded == [(3, TOKENS)] * layers
-    _compare(family, logits.detach(), loss.detach(), _grads(ours), expected["padded"])
+    assert folded and set(folded) == {(3, TOKENS)} and len(folded) % layers == 0
+    calls = len(folded)
+    compare(family, logits.detach(), loss.detach(), gradients(ours), expected["padded"])
     # eagerly an all-ones mask is read (a plain CPU tensor): no mask at all
-    logits, loss = _step(ours, ids, ones)
+    logits, loss = train_step(ours, ids, ones)
     loss.backward()
-    assert len(folded) == layers
-    _compare(family, logits.detach(), loss.detach(), _grads(ours), expected["ones"])
+    assert len(folded) == calls
+    compare(family, logits.detach(), loss.detach(), gradients(ours), expected["ones"])
 
-    compiled = torch.compile(lambda i, m: _step(ours, i, m), fullgraph=True)
+    compiled = torch.compile(lambda i, m: train_step(ours, i, m), fullgraph=True)
     for name, mask in (("padded", MODEL_PADDING), ("ones", ones)):
         logits, loss = compiled(ids, mask)
         loss.backward()
-        _compare(family, logits.detach(), loss.detach(), _grads(ours), expected[name])
+        compare(family, logits.detach(), loss.detach(), gradients(ours), expected[name])
 
 
 def test_a_mask_with_holes_is_served_densely_eagerly_and_poisons_its_rows_traced():

@@ -632,6 +632,66 @@ def test_a_transformers_model_on_fake_tpu_tensors_reaches_the_ops():
     assert logits.device.type == tt.device_type() and logits.shape == (2, 9, 97)
 
 
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt_oss", "mixtral"])
+def test_a_padded_batch_on_the_tpu_kernels_matches_the_eager_model(tpu_kernels_on_cpu, family):
+    """A padded batch (left, right and both sides) through the `tpu`
+    kernels (their jax_ops' JAX functions run on this machine): logits at
+    real tokens, the loss and every gradient equal those of the same model
+    on attn_implementation="eager"; the attention's jax_op takes packed
+    sequences, never a dense mask."""
+    from padded_models import (MODEL_PADDING, TOKENS, VOCAB, compare, gradients, model_pair,
+                               train_step)
+
+    reference, ours = model_pair(family)
+    ids = torch.randint(3, VOCAB, (3, TOKENS))
+    logits, loss = train_step(reference, ids, MODEL_PADDING)
+    loss.backward()
+    expected = (logits.detach(), loss.detach(), gradients(reference), MODEL_PADDING.bool())
+    logits, loss = train_step(ours, ids, MODEL_PADDING)
+    loss.backward()
+    compare(family, logits.detach(), loss.detach(), gradients(ours), expected)
+    attention = [args for name, args in tpu_kernels_on_cpu.calls if name == "attention_forward"]
+    assert attention and all(args[4] is not None for args in attention)  # cu_seq_q
+
+
+def test_a_padded_model_on_fake_tpu_tensors_builds_no_dense_mask():
+    """A tiny Gemma 2 (window, softcap) on fake tpu tensors with a padded
+    batch's attention_mask: the forward's graph reaches the attention op
+    with packed sequences (five a batch row), and no op makes a tokens x
+    tokens tensor (transformers' SDPA mask), nor reads a value back."""
+    import transformers  # the test extra's
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import torch_pallas.transformers
+
+    tokens = 11
+    config = transformers.Gemma2Config(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, intermediate_size=40,
+        sliding_window=4, attn_logit_softcapping=7.0, final_logit_softcapping=None)
+    torch_pallas.transformers.register()
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="pallas")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = torch.device(tt.device_type(), 0)
+    with mode:
+        model = model.to(device)
+        ids = torch.randint(0, 97, (2, tokens)).to(device)
+        mask = torch.ones(2, tokens, dtype=torch.long).to(device)
+        graph = make_fx(lambda i, m: model(input_ids=i, attention_mask=m, use_cache=False).logits)(
+            ids, mask)
+    calls = [n for n in graph.graph.nodes if n.op == "call_function"]
+    attention = [n for n in calls if str(n.target) == "pallas.attention_forward.default"]
+    assert len(attention) == config.num_hidden_layers
+    for node in attention:
+        mask_arg, cu_seq_q = node.args[3], node.args[12]
+        assert mask_arg is None and cu_seq_q.meta["val"].shape == (5 * 2 + 1,)
+    squares = [(str(n.target), tuple(n.meta["val"].shape)) for n in calls
+               if isinstance(n.meta.get("val"), torch.Tensor)
+               and list(n.meta["val"].shape).count(tokens) >= 2]
+    assert not squares, squares[:3]
+
+
 def test_symbolic_shapes_on_fake_tpu_tensors():
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,

@@ -75,7 +75,8 @@ def test_each_op_on_jax_tensors_with_torch_autograd(env, case):
 @pytest.mark.torchax
 def test_an_argument_the_forms_do_not_take_is_refused_by_name(env):
     q = torch.randn(1, 2, 5, 8)
-    with env, pytest.raises(NotImplementedError, match="pallas::attention: under torchax attn_mask"):
+    with env, pytest.raises(NotImplementedError, match="pallas::attention: under torchax attn_mask"
+                            r".*served as packed sequences: torch_pallas.jax.attention\(padding_mask"):
         torch_pallas.attention(q.to("jax"), q.to("jax"), q.to("jax"),
                                attn_mask=torch.ones(5, 5, dtype=torch.bool).to("jax"))
 
@@ -141,6 +142,51 @@ def test_a_patched_model_trains_in_torchax_as_on_cpu(env, family):
         compiled = torchax.compile(Logits(model).to("jax"))
         out = compiled(ids.to("jax"))
         np.testing.assert_allclose(out.to("cpu").numpy(), logits.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.torchax
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt_oss", "mixtral"])
+def test_a_padded_batch_under_jax_jit_matches_the_eager_model(env, family):
+    """A tokenizer's attention_mask under jax.jit (torchax.extract_jax), the
+    mask traced: a padded batch (left, right and both sides) and an all-ones
+    mask, one compilation for both. Logits at real tokens, the loss and
+    every gradient (jax.value_and_grad) equal those of the same model on
+    attn_implementation="eager" in torch; the attention takes the padded
+    path (no dense mask reaches the refusing JAX-side forms)."""
+    import jax
+    import torchax
+
+    from padded_models import (MODEL_PADDING, TOKENS, VOCAB, compare, gradients, labels_for,
+                               model_pair, train_step)
+
+    reference, ours = model_pair(family)
+    ids = torch.randint(3, VOCAB, (3, TOKENS))
+    masks = {"padded": MODEL_PADDING, "ones": torch.ones_like(MODEL_PADDING)}
+    expected = {}
+    for name, mask in masks.items():
+        logits, loss = train_step(reference, ids, mask)
+        loss.backward()
+        expected[name] = (logits.detach(), loss.detach(), gradients(reference), mask.bool())
+
+    states, call = torchax.extract_jax(ours)
+    traced = []
+
+    def jax_loss(states, ids, mask, labels):
+        traced.append(1)
+        return call(states, (), {"input_ids": ids, "attention_mask": mask,
+                                 "labels": labels}).loss
+
+    logits_of = jax.jit(lambda states, ids, mask: call(
+        states, (), {"input_ids": ids, "attention_mask": mask}).logits)
+    step = jax.jit(jax.value_and_grad(jax_loss))
+    for name, mask in masks.items():
+        ids_jax, mask_jax, labels = (jax.numpy.asarray(t.numpy())
+                                     for t in (ids, mask, labels_for(ids, mask)))
+        value, jax_grads = step(states, ids_jax, mask_jax, labels)
+        grads = {n: torch.from_numpy(np.asarray(jax_grads[n])) for n in expected[name][2]}
+        logits = torch.from_numpy(np.asarray(logits_of(states, ids_jax, mask_jax)))
+        compare(family, logits, torch.tensor(float(value)), grads, expected[name])
+    assert len(traced) == 1  # the mask is data: one trace for both
 
 
 @pytest.mark.torchax

@@ -34,6 +34,7 @@ inside `register`.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import math
 
@@ -81,10 +82,11 @@ def attention_forward(q, k, v, mask, scale, is_causal, dropout_p=0.0, seed=None,
                 f"({attention_spans.PADDING_SERVED})")
     if dropout_p:
         _refuse(op, f"dropout_p={dropout_p} is not supported (only 0)")
-    forms = _jax()
-    static = forms.attention.Static(float(scale), bool(is_causal), int(window_left),
-                                    int(window_right), float(softcap))
-    return forms.attention.attention_forward(q, k, v, sinks, cu_seq_q, cu_seq_k, static)
+    # the module (torch_pallas.jax's `attention` attribute is the function)
+    forms = importlib.import_module("torch_pallas.jax.attention")
+    static = forms.Static(float(scale), bool(is_causal), int(window_left), int(window_right),
+                          float(softcap))
+    return forms.attention_forward(q, k, v, sinks, cu_seq_q, cu_seq_k, static)
 
 
 def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None,

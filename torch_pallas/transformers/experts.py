@@ -131,11 +131,24 @@ def _default_gate():
     return _default_apply_gate
 
 
-@functools.cache
+_SILU: dict[type, bool] = {}  # _is_silu's answers
+
+
 def _is_silu(activation_type: type) -> bool:
     """Whether a parameterless activation module of this type computes
-    F.silu (transformers' SiLUActivation, torch.nn.SiLU), checked once on
-    random values."""
+    F.silu (transformers' SiLUActivation, torch.nn.SiLU), checked once a
+    type on random values. Under torch.compile the answer is a constant:
+    read from `_SILU`, or computed outside the graph (Dynamo 2.11 traced
+    through a functools.cache into the check's allclose, a value read, and
+    fullgraph failed)."""
+    known = _SILU.get(activation_type)
+    if known is None:
+        known = _SILU[activation_type] = _computes_silu(activation_type)
+    return known
+
+
+@torch.compiler.assume_constant_result
+def _computes_silu(activation_type: type) -> bool:
     x = torch.randn(257, dtype=torch.float64) * 4
     try:
         with torch.no_grad():

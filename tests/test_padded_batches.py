@@ -157,7 +157,8 @@ def test_triton_kernels_on_a_padded_batchs_sequences(dtype):
 @pytest.mark.parametrize("backend", ["interpret", "tpu_interpret"])
 def test_jax_attention_with_a_padding_mask_matches_float64(backend):
     """Values and every gradient (q, k, v, sinks) against the float64
-    reference, the mask traced under jax.jit (two masks, one compilation),
+    reference, the mask traced under jax.jit (three masks, all ones among
+    them, one compilation),
     GQA, a window, softcap and sinks; bool and integer masks."""
     import jax
     import jax.numpy as jnp
@@ -176,7 +177,8 @@ def test_jax_attention_with_a_padding_mask_matches_float64(backend):
         return (out * g).sum(), out
 
     grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))
-    masks = (RAGGED, padding_of([(0, LENGTH), (10, 11), (0, 1), (2, 17)]))
+    masks = (RAGGED, padding_of([(0, LENGTH), (10, 11), (0, 1), (2, 17)]),
+             torch.ones(4, LENGTH, dtype=torch.long))  # lax.cond's unpadded branch
     with torch_pallas.backend(backend):
         for mask in masks:
             g = torch.randn(4, 4, LENGTH, 16)

@@ -215,7 +215,8 @@ def attention(query, key, value, *, is_causal: bool = False, scale: float | None
     (under jax.jit, not readable) gives NaN in those batch rows (which a
     following layer on this function spreads to the others). The mask
     is data: traced, it costs no recompilation, and the kernels read it as
-    five packed sequences a row (the varlen kernels' tables)."""
+    five packed sequences a row (the varlen kernels' tables); a mask of
+    all ones takes the unpadded kernels (`lax.cond` where it is traced)."""
     op = "torch_pallas.jax.attention"
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise ValueError(f"{op}: query, key and value must be 4-D (B, H, L, D); got "
@@ -225,17 +226,30 @@ def attention(query, key, value, *, is_causal: bool = False, scale: float | None
                          "must share the batch, key and value the length")
     left, right = _check(op, query, key, value, window_size, softcap, sinks, heads_axis=1)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    if padding_mask is not None:
+    static = Static(scale, bool(is_causal), left, right, float(softcap))
+
+    def unpadded():
+        return attention_forward(query, key, value, sinks, None, None, static)[0]
+
+    if padding_mask is None:
+        return unpadded()
+
+    def padded():
         return _padded(op, query, key, value, padding_mask, is_causal, scale, left, right,
                        softcap, sinks)
-    static = Static(scale, bool(is_causal), left, right, float(softcap))
-    return attention_forward(query, key, value, sinks, None, None, static)[0]
+
+    _check_padding(op, query, key, padding_mask)
+    every_token_real = jnp.all(padding_mask != 0)
+    if not isinstance(every_token_real, jax.core.Tracer):
+        return unpadded() if bool(every_token_real) else padded()
+    # A traced mask of all ones (a tokenizer's, for a batch of one length)
+    # takes the unpadded kernels, at their speed: the folded batch's grid
+    # walks more block pairs.
+    return jax.lax.cond(every_token_real, unpadded, padded)
 
 
-def _padded(op, q, k, v, padding_mask, is_causal, scale, left, right, softcap, sinks):
-    """`attention` with a padding mask: the batch folded into one row of
-    packed sequences (`padded_batch_sequences`), out unfolded."""
-    batch, heads, length, _ = q.shape
+def _check_padding(op, q, k, padding_mask) -> None:
+    batch, _, length, _ = q.shape
     if padding_mask.shape != (batch, length) or k.shape[2] != length:
         raise ValueError(f"{op}: padding_mask must be (B, L) = ({batch}, {length}) for "
                          f"self-attention (as many keys as queries); got padding_mask "
@@ -243,6 +257,12 @@ def _padded(op, q, k, v, padding_mask, is_causal, scale, left, right, softcap, s
     if not (padding_mask.dtype == jnp.bool_ or jnp.issubdtype(padding_mask.dtype, jnp.integer)):
         raise TypeError(f"{op}: padding_mask must be bool or integers, got "
                         f"{jnp.dtype(padding_mask.dtype).name}")
+
+
+def _padded(op, q, k, v, padding_mask, is_causal, scale, left, right, softcap, sinks):
+    """`attention` with a padding mask: the batch folded into one row of
+    packed sequences (`padded_batch_sequences`), out unfolded."""
+    batch, heads, length, _ = q.shape
     cu_q, cu_k, holes = padded_batch_sequences(padding_mask)
     if not isinstance(holes, jax.core.Tracer) and bool(holes.any()):
         rows = [int(b) for b in jnp.nonzero(holes)[0]]

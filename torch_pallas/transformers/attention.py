@@ -270,11 +270,16 @@ def pallas_mask(*args, **kwargs):
     padding = prepare_padding_mask(kwargs.get("attention_mask"), kv_length, kv_offset)
     readable = padding is not None and _readable(padding)
     if structure == PLAIN:
-        if padding is None or (readable and bool(padding.all())):
+        if padding is None:
             return None
         padding = padding[:, :kv_length]
-        if readable and bool(attention_spans.padded_batch_sequences(padding)[2].any()):
-            return sdpa_mask(**kwargs)  # holes: only a dense mask says that
+        if readable:  # one read: all ones, and holes (which only a dense mask says)
+            holes = attention_spans.padded_batch_sequences(padding)[2]
+            every_token_real, any_holes = torch.stack((padding.all(), holes.any())).tolist()
+            if every_token_real:
+                return None
+            if any_holes:
+                return sdpa_mask(**kwargs)
         return padding.bool()
     if structure == PACKED and kwargs.get("batch_size") == 1 and not torch.compiler.is_compiling():
         if padding is None or (readable and bool(padding.all())):

@@ -203,3 +203,63 @@ def test_sliding_window(benchmark, name, backward):
     record(benchmark, provider, op="attention_window" + ("_fwd_bwd" if backward else ""),
            dtype=DTYPE, shape=[1, HEADS, WINDOW_TOKENS, HEAD_DIM],
            work=work * (3.5 if backward else 1), unit="TFLOP/s")
+
+
+# A padded batch (a tokenizer's attention_mask) on transformers' pallas
+# path, the batch folded into packed sequences (torch_pallas/transformers/
+# attention.py, padded_attention): with an all-ones mask, as a trace sees
+# one, against the same batch without a mask ("unpadded", what an eager
+# all-ones mask takes); with left padding (a quarter to a half of each
+# row), against SDPA with transformers' dense (B, 1, L, L) mask.
+
+if SMOKE:
+    PADDED_BATCH, PADDED_TOKENS = 2, 24
+else:
+    PADDED_BATCH, PADDED_TOKENS = 4, 1024
+
+
+def _padded_call(name: str, requires_grad: bool):
+    from torch_pallas.transformers import attention as hf_attention
+
+    shape = (PADDED_BATCH, HEADS, PADDED_TOKENS, HEAD_DIM)
+    q, k, v = (torch.randn(shape, device=DEVICE, dtype=DTYPE, requires_grad=requires_grad)
+               for _ in range(3))
+    mask = torch.ones(PADDED_BATCH, PADDED_TOKENS, dtype=torch.bool, device=DEVICE)
+    if name.endswith("left-padded"):
+        for b in range(PADDED_BATCH):
+            mask[b, :PADDED_TOKENS * (b + 1) // (2 * PADDED_BATCH) + PADDED_TOKENS // 4] = False
+    if name == "pallas-unpadded":
+        def forward():
+            return attention_op.attention(q, k, v, is_causal=True)
+    elif name.startswith("pallas"):
+        def forward():
+            return hf_attention.padded_attention(q, k, v, mask, 0.0, None, None, 0.0, None)
+    else:
+        i = torch.arange(PADDED_TOKENS, device=DEVICE)
+        dense = (i[None, :] <= i[:, None]) & mask[:, None, None, :]
+
+        def forward():
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    return forward, [q, k, v]
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])
+@pytest.mark.parametrize("name", ["pallas-unpadded", "pallas-folded-all-ones",
+                                  "torch-masked-left-padded", "pallas-folded-left-padded"])
+def test_padded_batch(benchmark, name, backward):
+    """The fold's cost: an all-ones mask folded against no mask (the
+    issue's "the speed of no mask"), and a left-padded batch folded against
+    SDPA with the dense mask; FLOPs counted as the unpadded causal batch's
+    for all four (so the TFLOP/s compare times)."""
+    forward, leaves = _padded_call(name, requires_grad=backward)
+    benchmark.group = (f"padded batch {PADDED_BATCH} x {PADDED_TOKENS} "
+                       f"{'fwd_bwd' if backward else 'fwd'}")
+    result = _timed(benchmark, forward, leaves, backward)
+    assert all(t.isfinite().all() for t in (result if backward else [result]))
+    dims = AttentionDims(PADDED_BATCH, HEADS, HEADS, PADDED_TOKENS, PADDED_TOKENS, HEAD_DIM,
+                         HEAD_DIM)
+    provider = providers()[0] if name.startswith("torch") else type(PALLAS)(
+        f"{PALLAS.name} {name.removeprefix('pallas-')}", PALLAS.backend, PALLAS.kind)
+    record(benchmark, provider, op="attention_padded" + ("_fwd_bwd" if backward else ""),
+           dtype=DTYPE, shape=[PADDED_BATCH, HEADS, PADDED_TOKENS, HEAD_DIM],
+           work=attention_flops(dims, True) * (3.5 if backward else 1), unit="TFLOP/s")

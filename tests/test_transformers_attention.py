@@ -13,10 +13,10 @@ import copy
 import pytest
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import torch_pallas
 import torch_pallas.transformers
+from padded_models import Squares
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -91,22 +91,6 @@ def test_family_matches_eager(family):
         torch.testing.assert_close(g, expected[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
-class LargestTensors(TorchDispatchMode):
-    """Records whether any op makes a tensor with two dimensions of `size`
-    (a tokens x tokens mask or score matrix)."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.size, self.square = size, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and list(t.shape).count(self.size) >= 2:
-                self.square.append((str(func), tuple(t.shape)))
-        return out
-
-
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("keywords", ["flash_attn_kwargs", "position_ids"])
 def test_padding_free_batch_is_each_sequence_alone(family, keywords):
@@ -124,9 +108,9 @@ def test_padding_free_batch_is_each_sequence_alone(family, keywords):
     packed = collator(features)
     total = sum(lengths)
     assert packed["input_ids"].shape == (1, total)
-    with LargestTensors(total) as seen:
+    with Squares(total) as seen:
         loss = ours(**packed).loss
-    assert not seen.square, seen.square[:3]
+    assert not seen.seen, seen.seen[:3]
     tokens = sum(n - 1 for n in lengths)  # each sequence's first label is -100
     (loss * tokens).backward()
     expected_sum = 0.0

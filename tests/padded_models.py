@@ -44,20 +44,29 @@ TOKENS = 13
 MODEL_PADDING = padding_of([(5, 8), (0, 10), (2, 9)], TOKENS)
 
 
-def model_pair(family: str):
-    """The same tiny model (same weights) on "eager" and on "pallas" (after
-    apply() for gpt-oss); gpt-oss with sinks that matter."""
-    model_type, keywords, apply = FAMILIES[family]
+def eager_and_pallas(model_type: str, keywords: dict):
+    """The same tiny model (same weights, COMMON's sizes with `keywords`) on
+    "eager" and on "pallas"; gpt-oss with sinks that matter (a fresh
+    model's are zeros)."""
     config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **keywords})
-    reference = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager").train()
-    if family == "gpt_oss":
+    reference = transformers.AutoModelForCausalLM.from_config(config,
+                                                              attn_implementation="eager")
+    if model_type == "gpt_oss":
         with torch.no_grad():
             for layer in reference.model.layers:
                 layer.self_attn.sinks.normal_()
     torch_pallas.transformers.register()
     ours = copy.deepcopy(reference)
     ours.set_attn_implementation("pallas")
+    return reference, ours
+
+
+def model_pair(family: str):
+    """eager_and_pallas for a family of FAMILIES, in training mode, after
+    apply() where the family says so."""
+    model_type, keywords, apply = FAMILIES[family]
+    reference, ours = eager_and_pallas(model_type, keywords)
+    reference.train(), ours.train()
     if apply:
         assert torch_pallas.transformers.apply(ours).attention
     return reference, ours

@@ -16,12 +16,8 @@ import transformers
 
 import torch_pallas
 import torch_pallas.transformers
-from padded_models import Squares
+from padded_models import VOCAB, Squares, eager_and_pallas
 
-VOCAB = 96
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              max_position_embeddings=128)
 # (model type, config keywords): a window of 5 that binds on 13 tokens.
 FAMILIES = {
     "mistral": ("mistral", dict(sliding_window=5)),
@@ -38,20 +34,8 @@ FAMILIES = {
 
 
 def model_pair(family: str):
-    """The same tiny model (same weights) on "eager" and on "pallas"; gpt-oss
-    with sinks that matter (a fresh model's are zeros)."""
-    model_type, keywords = FAMILIES[family]
-    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **keywords})
-    reference = transformers.AutoModelForCausalLM.from_config(config,
-                                                              attn_implementation="eager")
-    if family == "gpt_oss":
-        with torch.no_grad():
-            for layer in reference.model.layers:
-                layer.self_attn.sinks.normal_()
-    torch_pallas.transformers.register()
-    ours = copy.deepcopy(reference)
-    ours.set_attn_implementation("pallas")
-    return reference, ours
+    """The same tiny model (same weights) on "eager" and on "pallas"."""
+    return eager_and_pallas(*FAMILIES[family])
 
 
 def gradients(model) -> dict:

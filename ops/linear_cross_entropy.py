@@ -60,7 +60,7 @@ def chunk_rows(rows: int, hidden: int, vocab: int) -> int:
 
 
 def _check(input, weight, target, bias, ignore_index, reduction, label_smoothing, softcap):
-    _check_linear(OP, input, weight, bias, softcap)
+    check_linear(OP, input, weight, bias, softcap)
     checks.tensor(OP, "target", target)
     checks.same_device(OP, input, target, names=("input", "target"))
     checks.dtype_in(OP, "target", target.dtype, TARGET_DTYPES)
@@ -76,7 +76,7 @@ def _check(input, weight, target, bias, ignore_index, reduction, label_smoothing
         raise ValueError(f"{OP}: label_smoothing={label_smoothing} must be in [0, 1]")
 
 
-def _check_linear(op, input, weight, bias, softcap):
+def check_linear(op, input, weight, bias, softcap):
     """The logits' arguments: input (..., H), weight (V, H), bias (V,), of
     one supported dtype and device, and the soft cap."""
     checks.tensor(op, "input", input)
@@ -99,7 +99,8 @@ def _check_linear(op, input, weight, bias, softcap):
         raise ValueError(f"{op}: softcap={softcap} must be None or > 0")
 
 
-def _kernel_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
+def kernel_targets(target: torch.Tensor, ignore_index: int, vocab: int,
+                    op: str = OP) -> torch.Tensor:
     """The targets as the kernels take them: int32, -1 for an ignored row,
     after checking that every other one is a class (torch raises for the
     others too; so does this, naming the first)."""
@@ -108,7 +109,7 @@ def _kernel_targets(target: torch.Tensor, ignore_index: int, vocab: int) -> torc
         bad = ~ignored & ((target < 0) | (target >= vocab))
         if bool(bad.any()):
             value = target[bad][0].item()
-            raise IndexError(f"{OP}: target holds {value}, not a class in [0, {vocab}) "
+            raise IndexError(f"{op}: target holds {value}, not a class in [0, {vocab}) "
                              f"nor ignore_index={ignore_index}")
     return torch.where(ignored, -1, target).to(torch.int32)
 
@@ -134,26 +135,14 @@ def _run_chunks(x, weight, t32, bias, params, *, lse=None, scale=None, grads=(Fa
     forward), and the gradients asked for in `grads` (d_input, d_weight,
     d_bias; empty where not asked) from `scale` (each row's factor)."""
     rows, hidden = x.shape
-    vocab = weight.shape[0]
-    step = chunk_rows(rows, hidden, vocab)
-    slice_rows = max(MIN_CHUNK_ROWS, step * vocab // hidden // 2)
+    step = chunk_rows(rows, hidden, weight.shape[0])
     forward = lse is None
     losses, lses = [], []
-    # The gradients accumulate into narrowed views with add_ (a copy_ into a
-    # view cannot be traced on fake CUDA tensors by a CPU-only torch, which
-    # the compile path's test does); d_weight's share of a chunk in slices
-    # of the vocabulary, each product half a chunk's logits (a whole (V, H)
-    # product per chunk would double d_weight's memory).
-    d_input = x.new_zeros(x.shape) if grads[0] else None
-    slices = [(v, min(slice_rows, vocab - v)) for v in range(0, vocab, slice_rows)]
-    d_weight = weight.new_zeros((vocab, hidden), dtype=torch.float32) if grads[1] else None
-    d_bias = (weight.new_zeros((vocab,), dtype=torch.float32) if grads[2] else None)
+    sums = gradient_sums(x, weight, grads)
     for start in range(0, rows, step):
         size = min(step, rows - start)
         xc, tc = x.narrow(0, start, size), t32.narrow(0, start, size)
-        z = torch.ops.pallas.matmul(xc, weight.t())
-        if bias is not None:
-            z += bias
+        z = chunk_logits(xc, weight, bias)
         if forward:
             loss_c, lse_c = launch.run("linear_cross_entropy", x.device, (z, tc), params)
             losses.append(loss_c)
@@ -165,20 +154,58 @@ def _run_chunks(x, weight, t32, bias, params, *, lse=None, scale=None, grads=(Fa
         dz = launch.run("linear_cross_entropy_backward", x.device,
                         (z, tc, lse_c, scale.narrow(0, start, size)), params)
         del z
-        if grads[0]:
-            d_input.narrow(0, start, size).add_(torch.ops.pallas.matmul(dz, weight))
-        if grads[1]:
-            for v, n in slices:
-                product = torch.ops.pallas.matmul(dz.narrow(1, v, n).t(), xc)
-                d_weight.narrow(0, v, n).add_(product)
-        if grads[2]:
-            d_bias += dz.sum(0, dtype=torch.float32)
+        add_chunk_gradients(sums, dz, xc, weight, start, step)
     if forward:
         loss = torch.cat(losses) if losses else x.new_zeros((0,), dtype=torch.float32)
         lse = torch.cat(lses) if lses else x.new_zeros((0,), dtype=torch.float32)
     else:
         loss = None
-    return (loss, lse, _empty(x) if d_input is None else d_input,
+    return (loss, lse, *finished_gradients(sums, x, weight))
+
+
+# --- a chunk walk's pieces (token_log_probs walks its chunks with them too) ----
+
+def chunk_logits(xc, weight, bias):
+    """A chunk's logits in the input's dtype, as F.linear rounds them."""
+    z = torch.ops.pallas.matmul(xc, weight.t())
+    if bias is not None:
+        z += bias
+    return z
+
+
+def gradient_sums(x, weight, grads):
+    """Zeroed sums for the gradients asked for in `grads` (d_input in x's
+    dtype, d_weight and d_bias in float32; None where not asked)."""
+    vocab, hidden = weight.shape
+    return [x.new_zeros(x.shape) if grads[0] else None,
+            weight.new_zeros((vocab, hidden), dtype=torch.float32) if grads[1] else None,
+            weight.new_zeros((vocab,), dtype=torch.float32) if grads[2] else None]
+
+
+def add_chunk_gradients(sums, dz, xc, weight, start: int, step: int) -> None:
+    """Adds a chunk's share (its logits' gradient dz, its rows xc from row
+    `start`, chunks of `step` rows) into `sums`. Into narrowed views with
+    add_ (a copy_ into a view cannot be traced on fake CUDA tensors by a
+    CPU-only torch, which the compile path's test does); d_weight's share
+    in slices of the vocabulary, each product half a chunk's logits (a
+    whole (V, H) product per chunk would double d_weight's memory)."""
+    d_input, d_weight, d_bias = sums
+    vocab, hidden = weight.shape
+    if d_input is not None:
+        d_input.narrow(0, start, dz.shape[0]).add_(torch.ops.pallas.matmul(dz, weight))
+    if d_weight is not None:
+        slice_rows = max(MIN_CHUNK_ROWS, step * vocab // hidden // 2)
+        for v in range(0, vocab, slice_rows):
+            n = min(slice_rows, vocab - v)
+            d_weight.narrow(0, v, n).add_(torch.ops.pallas.matmul(dz.narrow(1, v, n).t(), xc))
+    if d_bias is not None:
+        d_bias += dz.sum(0, dtype=torch.float32)
+
+
+def finished_gradients(sums, x, weight) -> tuple:
+    """The sums in their arguments' dtypes, empty where not asked."""
+    d_input, d_weight, d_bias = sums
+    return (_empty(x) if d_input is None else d_input,
             _empty(weight) if d_weight is None else d_weight.to(weight.dtype),
             _empty(weight) if d_bias is None else d_bias.to(weight.dtype))
 
@@ -220,7 +247,7 @@ def _forward_fake(input, weight, target, bias, ignore_index, reduction, label_sm
 def forward_implementation(input, weight, target, bias, ignore_index, reduction,
                            label_smoothing, softcap, grads):
     vocab = weight.shape[0]
-    t32 = _kernel_targets(target, ignore_index, vocab)
+    t32 = kernel_targets(target, ignore_index, vocab)
     grads = _written(grads, bias, reduction)
     scale = _row_scale(t32, reduction, input.new_ones((), dtype=torch.float32))
     loss_rows, lse, *found = _run_chunks(input, weight, t32, bias,
@@ -278,7 +305,7 @@ def _backward_fake(grad_loss, input, weight, target, bias, lse, ignore_index, re
 
 def backward_implementation(grad_loss, input, weight, target, bias, lse, ignore_index,
                             reduction, label_smoothing, softcap, grads):
-    t32 = _kernel_targets(target, ignore_index, weight.shape[0])
+    t32 = kernel_targets(target, ignore_index, weight.shape[0])
     scale = _row_scale(t32, reduction, grad_loss)
     _, _, *found = _run_chunks(input, weight, t32, bias, _params(label_smoothing, softcap),
                                lse=lse, scale=scale, grads=_written(grads, bias))
@@ -302,7 +329,7 @@ def _no_class(x: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def _check_rows(input, weight, bias, softcap):
-    _check_linear("pallas::linear_logsumexp", input, weight, bias, softcap)
+    check_linear("pallas::linear_logsumexp", input, weight, bias, softcap)
     if input.dim() != 2:
         raise ValueError(f"pallas::linear_logsumexp: input must be rows (R, H), got "
                          f"input.shape={tuple(input.shape)}")
@@ -403,7 +430,7 @@ def _vocabulary_parallel(input, weight, target, bias, ignore_index, reduction, l
         input = input.redistribute(placements=whole)
     x = input.reshape(-1, hidden)
     t = target.full_tensor() if checks.is_dtensor(target) else target
-    t32 = _kernel_targets(t.reshape(-1), ignore_index, vocab)
+    t32 = kernel_targets(t.reshape(-1), ignore_index, vocab)
     start = min(mesh.get_coordinate()[dim] * -(-vocab // mesh.size(dim)), vocab)  # torch.chunk's
 
     def shard_terms(x, w, b):

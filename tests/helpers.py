@@ -32,7 +32,8 @@ SLOW_ON_SIMULATORS = ("attention", "attention_backward", "linear_cross_entropy",
                       "linear_cross_entropy_backward", "rotary_embedding",
                       "rotary_embedding_backward", "rms_norm", "rms_norm_backward",
                       "layer_norm", "layer_norm_backward", "swiglu", "swiglu_backward",
-                      "grouped_mm", "grouped_mm_backward", "varlen_attention")
+                      "grouped_mm", "grouped_mm_backward", "varlen_attention", "token_log_probs",
+                      "token_log_probs_backward")
 
 
 def backend_cases(subjects: dict) -> list:

@@ -69,19 +69,38 @@ def check_temperature(op: str, temperature) -> None:
         raise ValueError(f"{op}: temperature={temperature!r} must be a finite number > 0")
 
 
+# A kernel target that no column matches, not even a padded one: a token of
+# another vocabulary shard, whose row's log-probability here is -lse.
+NO_CLASS = 2**31 - 1
+
+
+def _kernel_targets(target, ignore_index: int, vocab: int, other_shards: bool):
+    """The targets as the kernels take them (int32, -1 where ignored). With
+    `other_shards` (the op on one shard of a vocabulary-split head) a target
+    at or past the shard's vocabulary is another shard's token (NO_CLASS);
+    otherwise every target not ignored must be a class (checked, naming
+    the first that is not)."""
+    if not other_shards:
+        return lce.kernel_targets(target, ignore_index, vocab, OP)
+    return torch.where(target == ignore_index, -1,
+                       torch.where(target >= vocab, NO_CLASS, target)).to(torch.int32)
+
+
 def _params(temperature, softcap) -> dict:
     return {"softcap": float(softcap or 0.0), "temperature": float(temperature)}
 
 
 # --- the forward op on rows ---------------------------------------------------
 
-def _forward_fake(input, weight, target, bias, ignore_index, temperature, softcap):
+def _forward_fake(input, weight, target, bias, ignore_index, temperature, softcap,
+                  other_shards=False):
     return tuple(input.new_empty((input.shape[0],), dtype=torch.float32) for _ in range(3))
 
 
-def forward_implementation(input, weight, target, bias, ignore_index, temperature, softcap):
+def forward_implementation(input, weight, target, bias, ignore_index, temperature, softcap,
+                           other_shards=False):
     rows, hidden = input.shape
-    t32 = lce.kernel_targets(target, ignore_index, weight.shape[0], OP)
+    t32 = _kernel_targets(target, ignore_index, weight.shape[0], other_shards)
     step = lce.chunk_rows(rows, hidden, weight.shape[0])
     params = _params(temperature, softcap)
     found = []
@@ -96,10 +115,11 @@ def forward_implementation(input, weight, target, bias, ignore_index, temperatur
 
 
 def _setup_context(ctx, inputs, output):
-    input, weight, target, bias, ignore_index, temperature, softcap = inputs
+    input, weight, target, bias, ignore_index, temperature, softcap, *other_shards = inputs
     _, entropy, lse = output
     ctx.mark_non_differentiable(lse)
     ctx.arguments = (ignore_index, temperature, softcap)
+    ctx.other_shards = bool(other_shards and other_shards[0])  # (a default may be left out)
     ctx.save_for_backward(input, weight, target, bias, lse, entropy)
 
 
@@ -107,20 +127,21 @@ def _backward(ctx, grad_log_prob, grad_entropy, _):
     input, weight, target, bias, lse, entropy = ctx.saved_tensors
     wanted = [ctx.needs_input_grad[i] for i in (0, 1, 3)]
     if not any(wanted):
-        return (None,) * 7
+        return (None,) * 8
     zero = lse.new_zeros(lse.shape)
     grads = torch.ops.pallas.token_log_probs_backward(
         zero if grad_log_prob is None else grad_log_prob,
         zero if grad_entropy is None else grad_entropy,
-        input, weight, target, bias, lse, entropy, *ctx.arguments, wanted)
+        input, weight, target, bias, lse, entropy, *ctx.arguments, wanted, ctx.other_shards)
     d_input, d_weight, d_bias = (g if w else None for g, w in zip(grads, wanted))
-    return d_input, d_weight, None, d_bias, None, None, None
+    return d_input, d_weight, None, d_bias, None, None, None, None
 
 
 registration.define(
     "pallas::token_log_probs_forward", forward_implementation, fake=_forward_fake,
     schema="(Tensor input, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
-           "float temperature, float? softcap) -> (Tensor, Tensor, Tensor)",
+           "float temperature, float? softcap, bool other_shards=False) "
+           "-> (Tensor, Tensor, Tensor)",
     backward=_backward, setup_context=_setup_context,
 )
 
@@ -133,7 +154,7 @@ def _written(grads, bias) -> tuple[bool, bool, bool]:
 
 
 def _backward_fake(grad_log_prob, grad_entropy, input, weight, target, bias, lse, entropy,
-                   ignore_index, temperature, softcap, grads):
+                   ignore_index, temperature, softcap, grads, other_shards=False):
     grads = _written(grads, bias)
     empty = weight.new_empty((0,))
     return (input.new_empty(input.shape) if grads[0] else input.new_empty((0,)),
@@ -142,13 +163,14 @@ def _backward_fake(grad_log_prob, grad_entropy, input, weight, target, bias, lse
 
 
 def backward_implementation(grad_log_prob, grad_entropy, input, weight, target, bias, lse,
-                            entropy, ignore_index, temperature, softcap, grads):
+                            entropy, ignore_index, temperature, softcap, grads,
+                            other_shards=False):
     """The gradients asked for in `grads` (d_input, d_weight, d_bias; empty
     where not asked): each chunk's logits recomputed, their gradient from
     the backward kernel (E = lse - entropy: each row's p-weighted mean of
     the tempered logits), then the chunk's products."""
     rows, hidden = input.shape
-    t32 = lce.kernel_targets(target, ignore_index, weight.shape[0], OP)
+    t32 = _kernel_targets(target, ignore_index, weight.shape[0], other_shards)
     valid = t32 >= 0
     per_row = (lse, lse - entropy, torch.where(valid, grad_log_prob.float(), 0.0),
                torch.where(valid, grad_entropy.float(), 0.0))
@@ -172,15 +194,79 @@ registration.define(
     "pallas::token_log_probs_backward", backward_implementation, fake=_backward_fake,
     schema="(Tensor grad_log_prob, Tensor grad_entropy, Tensor input, Tensor weight, "
            "Tensor target, Tensor? bias, Tensor lse, Tensor entropy, int ignore_index, "
-           "float temperature, float? softcap, bool[] grads) -> (Tensor, Tensor, Tensor)",
+           "float temperature, float? softcap, bool[] grads, bool other_shards=False) "
+           "-> (Tensor, Tensor, Tensor)",
 )
 
 
 # --- the composite, the public signature ---------------------------------------
 
+def _vocabulary_parallel(input, weight, target, bias, temperature, ignore_index, softcap,
+                         dim: int):
+    """Both outputs over a weight split on the vocabulary along mesh
+    dimension `dim` (a ColwiseParallel LM head), without gathering the
+    weight or the logits, as linear_cross_entropy's `_vocabulary_parallel`
+    does: each rank computes on its shard (`local_map`) every row's
+    log-sum-exp lse_s and p-weighted mean logit E_s over its classes (the
+    forward op with every token another shard's: log-prob -lse_s, entropy
+    lse_s - E_s) and its target's tempered logit where the target is one of
+    its classes; DTensor gathers (lse_s, E_s), two floats per row and rank,
+    and sums the target logits. lse = logsumexp_s lse_s, E = sum_s
+    softmax_s(lse_s) E_s; log p_t = u_t - lse, entropy = lse - E. The
+    input's gradient is Partial over the ranks, the weight's stays split."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import local_map
+
+    mesh, vocab, hidden = weight.device_mesh, weight.shape[0], input.shape[-1]
+    whole = [Replicate()] * mesh.ndim
+    split, summed = list(whole), list(whole)
+    split[dim], summed[dim] = Shard(0), Partial()
+    if tuple(input.placements) != tuple(whole):  # (only then: its gradient stays Partial)
+        input = input.redistribute(placements=whole)
+    x = input.reshape(-1, hidden)
+    t = target.full_tensor() if checks.is_dtensor(target) else target
+    t32 = lce.kernel_targets(t.reshape(-1), ignore_index, vocab, OP)
+    valid = t32 >= 0
+    start = min(mesh.get_coordinate()[dim] * -(-vocab // mesh.size(dim)), vocab)  # torch.chunk's
+
+    def shard_terms(x, w, b):
+        others = torch.where(valid, w.shape[0], -1)
+        minus_lse, entropy, _ = torch.ops.pallas.token_log_probs_forward(
+            x, w, others, b, -1, temperature, softcap, True)
+        mine = (t32 >= start) & (t32 < start + w.shape[0])
+        rows = torch.where(mine, t32 - start, 0)
+        z = (x.float() * w[rows].float()).sum(-1).to(x.dtype)  # as F.linear rounds
+        if b is not None:
+            z = z + b[rows]
+        u = z.float()
+        if softcap is not None:
+            u = softcap * torch.tanh(u / softcap)
+        u = u / temperature
+        terms = torch.stack([-minus_lse, -minus_lse - entropy])  # lse_s, E_s
+        return terms.unsqueeze(0), torch.where(mine, u, 0.0)
+
+    weights = (split, split) if bias is not None else (split, None)
+    stacked, target_logit = local_map(
+        shard_terms, out_placements=(split, summed),
+        in_placements=(whole, *weights), in_grad_placements=(summed, *weights),
+        device_mesh=mesh)(x, weight, bias)
+    lses, means = stacked.redistribute(placements=whole).unbind(1)
+    lse = torch.logsumexp(lses, dim=0)
+    mean = (torch.softmax(lses, dim=0) * means).sum(0)
+    valid = DTensor.from_local(valid, mesh, whole, run_check=False)
+    log_prob = torch.where(valid, target_logit.redistribute(placements=whole) - lse, 0.0)
+    return log_prob, torch.where(valid, lse - mean, 0.0)
+
+
 def token_log_probs_implementation(input, weight, target, bias=None, *, temperature=1.0,
                                    ignore_index=-100, return_entropy=False, softcap=None):
     _check(input, weight, target, bias, temperature, ignore_index, softcap)
+    split = lce._vocabulary_split(input, weight, bias, 0.0, softcap)
+    if split is not None:
+        log_prob, entropy = _vocabulary_parallel(input, weight, target, bias, temperature,
+                                                 ignore_index, softcap, split)
+        entropy = entropy.reshape(target.shape) if return_entropy else entropy.new_empty((0,))
+        return log_prob.reshape(target.shape), entropy
     log_prob, entropy, _ = torch.ops.pallas.token_log_probs_forward(
         input.reshape(-1, input.shape[-1]), weight, target.reshape(-1), bias, ignore_index,
         temperature, softcap)

@@ -32,6 +32,7 @@ from helpers import computed_once
 from test_distributed import on_gloo_mesh
 from torch_pallas.ops import varlen_attention
 from torch_pallas.ops.linear_cross_entropy import torch_linear_cross_entropy
+from torch_pallas.ops.token_log_probs import torch_token_log_probs
 from torch_pallas.ops.rotary_embedding import torch_rotary_embedding  # transformers' composition
 
 WORLD = 2
@@ -183,6 +184,21 @@ CASES = {
         lambda x, w, t: torch_linear_cross_entropy(x, w, t, reduction="none", softcap=3.0),
         [(3, 3, 8), (11, 8), (lambda: _targets(9, 11).reshape(3, 3), False)], ["R", "S0", "R"],
         ["R"], collectives=2),
+    # per-token log-probs and entropy: the tokens split, and a ColwiseParallel
+    # LM head (each rank's (lse, E) gathered, the target logits summed)
+    "token_log_probs tokens": Case(
+        lambda x, w, t: torch_pallas.token_log_probs(x, w, t, temperature=0.7,
+                                                     return_entropy=True),
+        lambda x, w, t: torch_token_log_probs(x, w, t, temperature=0.7, return_entropy=True),
+        [(9, 8), (11, 8), (lambda: _targets(9, 11), False)], ["S0", "R", "S0"], ["S0", "S0"],
+        torch_on_dtensors=False),
+    "token_log_probs vocabulary bias softcap": Case(
+        lambda x, w, t, b: torch_pallas.token_log_probs(x, w, t, b, temperature=0.7,
+                                                        return_entropy=True, softcap=3.0),
+        lambda x, w, t, b: torch_token_log_probs(x, w, t, b, temperature=0.7,
+                                                 return_entropy=True, softcap=3.0),
+        [(3, 3, 8), (13, 8), (lambda: _targets(9, 13).reshape(3, 3), False), (13,)],
+        ["R", "S0", "R", "S0"], ["R", "R"], collectives=2, torch_on_dtensors=False),
 }
 # Placements a rule does not allow: DTensor redistributes them first.
 REDISTRIBUTED = {

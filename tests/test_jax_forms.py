@@ -132,6 +132,27 @@ CASES = [
          lambda x, w, t: torch_pallas.linear_cross_entropy(x, w, t, reduction="none",
                                                            softcap=5.0),
          lambda x, w, t: tpj.linear_cross_entropy(x, w, t, reduction="none", softcap=5.0)),
+    Case("token_log_probs_entropy_temperature",
+         lambda: (_r(3, 23, 48), _r(301, 48) * 0.3, _r(301),
+                  torch.where(torch.rand(3, 23) < 0.2, -100, torch.randint(0, 301, (3, 23)))),
+         lambda x, w, b, t: torch_pallas.token_log_probs(x, w, t, b, temperature=0.7,
+                                                         return_entropy=True),
+         lambda x, w, b, t: tpj.token_log_probs(x, w, t, b, temperature=0.7,
+                                                return_entropy=True)),
+    # two whole chunks of 256 rows and 88 more, d_weight from the pass over
+    # the vocabulary; the log-probs alone, soft-capped
+    Case("token_log_probs_chunks_softcap_bf16",
+         lambda: (_r(600, 16, dtype=torch.bfloat16), _r(260, 16, dtype=torch.bfloat16),
+                  torch.where(torch.rand(600) < 0.1, -100, torch.randint(0, 260, (600,)))),
+         lambda x, w, t: torch_pallas.token_log_probs(x, w, t, softcap=3.0),
+         lambda x, w, t: tpj.token_log_probs(x, w, t, softcap=3.0)),
+    Case("token_log_probs_chunks_entropy",
+         lambda: (_r(600, 16), _r(300, 16), _r(300),
+                  torch.where(torch.rand(600) < 0.1, -100, torch.randint(0, 300, (600,)))),
+         lambda x, w, b, t: torch_pallas.token_log_probs(x, w, t, b, temperature=1.3,
+                                                         return_entropy=True),
+         lambda x, w, b, t: tpj.token_log_probs(x, w, t, b, temperature=1.3,
+                                                return_entropy=True)),
 ]
 
 
@@ -209,6 +230,11 @@ def test_fill_and_iota_match_the_torch_ops():
      "cu_seq_q must start at 0, not decrease"),
     (lambda: tpj.linear_cross_entropy(jnp.ones((4, 8)), jnp.ones((5, 8)), jnp.array([0, 1, 9, 2])),
      "target holds 9"),
+    (lambda: tpj.token_log_probs(jnp.ones((4, 8)), jnp.ones((5, 8)), jnp.array([0, 1, 9, 2])),
+     "torch_pallas.jax.token_log_probs: target holds 9"),
+    (lambda: tpj.token_log_probs(jnp.ones((4, 8)), jnp.ones((5, 8)), jnp.array([0, 1, 2, 2]),
+                                 temperature=0.0),
+     "torch_pallas.jax.token_log_probs: temperature=0.0"),
 ])
 def test_bad_arguments_are_refused_before_any_kernel(call, message):
     with pytest.raises((ValueError, TypeError, IndexError), match=message):

@@ -27,7 +27,8 @@ fakes (symbolic shapes too) and autograd, so `torch.ops.pallas.*`,
 reach the TPU kernels on `tpu` tensors, eagerly and under `torch.compile`
 (the ops stay opaque calls in the graph, which torch_tpu's backend runs
 through their `tpu` kernels). The composites (`attention`,
-`varlen_attention`, `rms_norm`, `layer_norm`, `linear_cross_entropy`)
+`varlen_attention`, `rms_norm`, `layer_norm`, `linear_cross_entropy`,
+`token_log_probs`)
 need no kernel of their own: they call the others.
 
 `import torch_pallas` registers the `tpu` kernels where torch_tpu is loaded
@@ -162,6 +163,7 @@ def jax_functions() -> dict:
     # the public functions: the modules by their full names)
     attn = importlib.import_module("torch_pallas.jax.attention")
     lce = importlib.import_module("torch_pallas.jax.linear_cross_entropy")
+    tlp = importlib.import_module("torch_pallas.jax.token_log_probs")
 
     Array = jax.Array
     MaybeArray = jax.Array | None
@@ -338,12 +340,35 @@ def jax_functions() -> dict:
         return _loss_gradients(saved, 0.0, softcap, grad.astype(jnp.float32),
                                (want_input, want_weight, want_bias), bias)
 
+    @tpu_kernels
+    def token_log_probs_forward(input: Array, weight: Array, targets: Array, bias: MaybeArray,
+                                temperature: float, softcap: float
+                                ) -> tuple[Array, Array, Array]:
+        """pallas::token_log_probs_forward on rows, `targets` int32 with -1
+        for an ignored row: (log_prob, entropy, lse)."""
+        (log_prob, entropy), saved = tlp._rows_forward(input, weight, bias, targets,
+                                                       temperature, softcap)
+        return log_prob, entropy, saved[4]
+
+    @tpu_kernels
+    def token_log_probs_backward(grad_log_prob: Array, grad_entropy: Array, input: Array,
+                                 weight: Array, targets: Array, bias: MaybeArray, lse: Array,
+                                 entropy: Array, temperature: float, softcap: float,
+                                 want_input: bool, want_weight: bool, want_bias: bool
+                                 ) -> tuple[Array, Array, Array]:
+        saved = (input, weight, bias, targets, lse, entropy)
+        d_x, d_w, d_b, _ = tlp._rows_backward(temperature, softcap, saved,
+                                              (grad_log_prob, grad_entropy))
+        return (d_x if want_input else empty(input.dtype),
+                d_w if want_weight else empty(weight.dtype),
+                d_b if want_bias and bias is not None else empty(weight.dtype))
+
     return {f.__name__: f for f in (
         add, fill, iota, matmul, grouped_mm, grouped_mm_backward, rms_norm_forward,
         rms_norm_backward, layer_norm_forward, layer_norm_backward, swiglu, swiglu_backward,
         rotary_embedding, rotary_embedding_backward, attention_forward, attention_backward,
         linear_cross_entropy_forward, linear_cross_entropy_backward, linear_logsumexp,
-        linear_logsumexp_backward)}
+        linear_logsumexp_backward, token_log_probs_forward, token_log_probs_backward)}
 
 
 def _op(name: str):
@@ -626,6 +651,30 @@ def _linear_logsumexp_backward(grad, input, weight, bias, lse, softcap, grads):
                  float(softcap or 0.0), *_written(grads, bias))
 
 
+def _log_prob_targets(target, ignore_index: int, vocab: int, other_shards: bool):
+    from torch_pallas.ops import token_log_probs as tlp_op
+
+    if other_shards:  # a vocabulary shard's: tokens past it are other shards'
+        target = torch.where(target >= vocab, tlp_op.NO_CLASS, target)
+    return _targets(target, ignore_index)
+
+
+def _token_log_probs_forward(input, weight, target, bias, ignore_index, temperature, softcap,
+                             other_shards=False):
+    return _call("token_log_probs_forward", input, weight,
+                 _log_prob_targets(target, ignore_index, weight.shape[0], other_shards), bias,
+                 float(temperature), float(softcap or 0.0))
+
+
+def _token_log_probs_backward(grad_log_prob, grad_entropy, input, weight, target, bias, lse,
+                              entropy, ignore_index, temperature, softcap, grads,
+                              other_shards=False):
+    return _call("token_log_probs_backward", grad_log_prob, grad_entropy, input, weight,
+                 _log_prob_targets(target, ignore_index, weight.shape[0], other_shards), bias,
+                 lse, entropy, float(temperature), float(softcap or 0.0),
+                 *_written(grads, bias))
+
+
 # pallas:: op -> its tpu kernel. The composites (attention, varlen_attention,
 # rms_norm, layer_norm, linear_cross_entropy) call these ops.
 KERNELS = {
@@ -638,6 +687,8 @@ KERNELS = {
     "attention_forward": _attention_forward, "attention_backward": _attention_backward,
     "linear_cross_entropy_forward": _linear_cross_entropy_forward,
     "linear_cross_entropy_backward": _linear_cross_entropy_backward,
+    "token_log_probs_forward": _token_log_probs_forward,
+    "token_log_probs_backward": _token_log_probs_backward,
     "linear_logsumexp": _linear_logsumexp, "linear_logsumexp_backward": _linear_logsumexp_backward,
 }
 FACTORIES = ("fill", "iota")  # no tensor argument: chosen by their device argument

@@ -175,6 +175,17 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index=-100,
                                        softcap=softcap)
 
 
+def token_log_probs(input, weight, target, bias=None, *, temperature=1.0, ignore_index=-100,
+                    return_entropy=False, softcap=None):
+    """The torch op's two results: the entropy empty unless return_entropy."""
+    forms = _jax()
+    log_probs, entropy = forms.token_log_probs(input, weight, target, bias,
+                                               temperature=temperature,
+                                               ignore_index=ignore_index, return_entropy=True,
+                                               softcap=softcap)
+    return log_probs, entropy if return_entropy else forms.ops.jnp.zeros((0,), entropy.dtype)
+
+
 def fill(size, value, *, dtype=None, device=None):
     """torch.full's default dtype where none is given: bool, int64 or float32
     by the value (int64 needs JAX's 64-bit mode, said by the form)."""
@@ -192,7 +203,8 @@ IMPLEMENTATIONS = {
     "fill": fill, "grouped_mm": grouped_mm, "iota": iota, "layer_norm": layer_norm,
     "layer_norm_forward": layer_norm_forward, "linear_cross_entropy": linear_cross_entropy,
     "matmul": matmul, "rms_norm": rms_norm, "rms_norm_forward": rms_norm_forward,
-    "rotary_embedding": rotary_embedding, "swiglu": swiglu, "varlen_attention": varlen_attention,
+    "rotary_embedding": rotary_embedding, "swiglu": swiglu, "token_log_probs": token_log_probs,
+    "varlen_attention": varlen_attention,
 }
 
 

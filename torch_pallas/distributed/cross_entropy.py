@@ -1,4 +1,5 @@
-"""pallas::linear_cross_entropy under DTensor: the tokens split (input,
+"""pallas::linear_cross_entropy and pallas::token_log_probs under DTensor:
+the tokens split (input,
 target, the per-token lse and the input's gradient alike); the weight and
 bias stay whole, their gradients (sums over the tokens) Partial. The loss
 of a split call is split for "none" and Partial for "sum"; a "mean" over
@@ -57,4 +58,22 @@ def linear_logsumexp(input, weight, bias, softcap):
 def linear_logsumexp_backward(grad, input, weight, bias, lse, softcap, grads):
     arguments = [("tokens",), TOKENS, WHOLE, None if bias is None else (None,), ("tokens",),
                  None, None]
+    return strategies([TOKENS, WHOLE, (None,)], arguments, summed=[1, 2])
+
+
+@register_sharding(torch.ops.pallas.token_log_probs_forward.default)
+def token_log_probs_forward(input, weight, target, bias, ignore_index, temperature, softcap,
+                            other_shards=False):
+    arguments = [TOKENS, WHOLE, ("tokens",), None if bias is None else (None,),
+                 None, None, None, None]
+    return strategies([("tokens",)] * 3, arguments)
+
+
+@register_sharding(torch.ops.pallas.token_log_probs_backward.default)
+def token_log_probs_backward(grad_log_prob, grad_entropy, input, weight, target, bias, lse,
+                             entropy, ignore_index, temperature, softcap, grads,
+                             other_shards=False):
+    arguments = [("tokens",), ("tokens",), TOKENS, WHOLE, ("tokens",),
+                 None if bias is None else (None,), ("tokens",), ("tokens",),
+                 None, None, None, None, None]
     return strategies([TOKENS, WHOLE, (None,)], arguments, summed=[1, 2])

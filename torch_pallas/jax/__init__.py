@@ -25,6 +25,7 @@ span rule and kernel parameters, the loss's chunk size); never `nn`,
 from torch_pallas.jax.attention import attention, varlen_attention
 from torch_pallas.jax.calls import backend
 from torch_pallas.jax.linear_cross_entropy import linear_cross_entropy
+from torch_pallas.jax.token_log_probs import token_log_probs
 from torch_pallas.jax.ops import (add, fill, grouped_mm, iota, layer_norm, matmul, rms_norm,
                                   rotary_embedding, swiglu)
 
@@ -41,5 +42,6 @@ __all__ = [
     "rms_norm",
     "rotary_embedding",
     "swiglu",
+    "token_log_probs",
     "varlen_attention",
 ]

@@ -38,17 +38,17 @@ def _split(a, step: int):
     return a[:whole].reshape(-1, step, *a.shape[1:]), a[whole:]
 
 
-def _logits(x, weight, bias):
+def head_logits(x, weight, bias):
     """x @ weightᵀ (+ bias) in x's dtype, through the matmul kernel."""
     z = calls.run("matmul", x[None], weight[None], transpose_a=False, transpose_b=True)[0]
     return z if bias is None else z + bias.astype(z.dtype)
 
 
-def _product(a, b, transpose_a=False):
+def product(a, b, transpose_a=False):
     return calls.run("matmul", a[None], b[None], transpose_a=transpose_a, transpose_b=False)[0]
 
 
-def _over_chunks(chunk, rows: int, step: int, arrays: dict) -> dict:
+def over_chunks(chunk, rows: int, step: int, arrays: dict) -> dict:
     """`chunk(rows of arrays) -> outputs` (dicts of arrays) over the
     arrays' rows in chunks of `step`: the whole chunks in a `lax.scan` (one
     chunk's logits alive at a time: an unrolled loop let XLA schedule every
@@ -72,27 +72,25 @@ def vocab_block(hidden: int, vocab: int) -> int:
     return min(vocab, max(128, 1 << (hidden - 1).bit_length()))
 
 
-def _weight_gradients(x, weight, bias, t32, lse, scale, smoothing: float, softcap: float):
+def weight_gradients(x, weight, bias, logit_gradient_of):
     """(d_weight in x's dtype, d_bias float32) from one pass over the
     vocabulary in blocks: each block's logits for every row, their gradient
-    (kernels/cross_entropy.py's formula, from the rows' log-sum-exp) and one
-    product over all rows, written into its rows of d_weight. Nothing is
-    summed across row chunks, so no float32 (V, H) running sum (2.1 GB at a
-    128256 x 4096 head, read and written once per chunk); the price is the
-    logits computed once more (4 products for the loss and its gradients,
-    not 3)."""
+    (`logit_gradient_of(z as float32, each element's column)`, float32)
+    and one product over all rows, written into its rows of d_weight.
+    Nothing is summed across row chunks, so no float32 (V, H) running sum
+    (2.1 GB at a 128256 x 4096 head, read and written once per chunk); the
+    price is the logits computed once more (4 products for the loss and its
+    gradients, not 3)."""
     vocab, hidden = weight.shape
     block = vocab_block(hidden, vocab)
-    t, lse, scale = t32[:, None], lse[:, None], scale[:, None]
 
     def gradients(start, size: int):
         w = jax.lax.dynamic_slice_in_dim(weight, start, size)
         b = None if bias is None else jax.lax.dynamic_slice_in_dim(bias, start, size)
-        z = _logits(x, w, b)
+        z = head_logits(x, w, b)
         col = start + jax.lax.broadcasted_iota(jnp.int32, z.shape, 1)
-        dz = logit_gradient(capped(z.astype(jnp.float32), softcap), lse, col == t, scale,
-                            vocab=vocab, smoothing=smoothing, softcap=softcap).astype(z.dtype)
-        return _product(dz, x, transpose_a=True), dz.astype(jnp.float32).sum(0)
+        dz = logit_gradient_of(z.astype(jnp.float32), col).astype(z.dtype)
+        return product(dz, x, transpose_a=True), dz.astype(jnp.float32).sum(0)
 
     def into(sums, start, size: int):
         d_weight, d_bias = sums
@@ -105,6 +103,15 @@ def _weight_gradients(x, weight, bias, t32, lse, scale, smoothing: float, softca
     if vocab % block:
         sums = into(sums, vocab - vocab % block, vocab % block)
     return sums
+
+
+def _weight_gradients(x, weight, bias, t32, lse, scale, smoothing: float, softcap: float):
+    """linear_cross_entropy's d_weight and d_bias (weight_gradients)."""
+    vocab = weight.shape[0]
+    t, lse, scale = t32[:, None], lse[:, None], scale[:, None]
+    return weight_gradients(x, weight, bias, lambda z, col: logit_gradient(
+        capped(z, softcap), lse, col == t, scale, vocab=vocab, smoothing=smoothing,
+        softcap=softcap))
 
 
 def _walk(x, weight, bias, t32, smoothing: float, softcap: float, *, lse=None, scale=None):
@@ -121,7 +128,7 @@ def _walk(x, weight, bias, t32, smoothing: float, softcap: float, *, lse=None, s
     one_chunk = rows <= step
 
     def chunk(a):
-        z = _logits(a["x"], weight, bias)
+        z = head_logits(a["x"], weight, bias)
         out = {}
         lc = a.get("lse")
         if lc is None:
@@ -129,15 +136,15 @@ def _walk(x, weight, bias, t32, smoothing: float, softcap: float, *, lse=None, s
             out["lse"] = lc
         if "scale" in a:
             dz = calls.run("linear_cross_entropy_backward", z, a["t"], lc, a["scale"], **params)
-            out["d_x"] = _product(dz, weight)
+            out["d_x"] = product(dz, weight)
             if one_chunk:
-                out["d_weight"] = _product(dz, a["x"], transpose_a=True)
+                out["d_weight"] = product(dz, a["x"], transpose_a=True)
                 out["d_bias"] = dz.astype(jnp.float32).sum(0)
         return out
 
     arrays = {"x": x, "t": t32}
     arrays.update({k: v for k, v in (("lse", lse), ("scale", scale)) if v is not None})
-    out = chunk(arrays) if one_chunk else _over_chunks(chunk, rows, step, arrays)
+    out = chunk(arrays) if one_chunk else over_chunks(chunk, rows, step, arrays)
     lse = out.get("lse", lse)
     if scale is not None and not one_chunk:
         out["d_weight"], out["d_bias"] = _weight_gradients(x, weight, bias, t32, lse, scale,
@@ -209,17 +216,9 @@ def _loss_total_backward(mean, smoothing, softcap, grads, g):
 _loss_total.defvjp(_loss_total_forward, _loss_total_backward)
 
 
-def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index: int = -100,
-                         reduction: str = "mean", label_smoothing: float = 0.0,
-                         softcap: float | None = None):
-    """F.cross_entropy(z.float(), target, ...) of z = input @ weightᵀ + bias
-    (softcap * tanh(z / softcap) with a softcap), never holding z whole:
-    input (..., H), weight (V, H), target (...) integer classes or
-    `ignore_index`; the loss float32 ("none": target's shape). Every row
-    ignored gives torch's: nan for "mean", 0 for "sum". Differentiable in
-    input, weight and bias. Under jax.jit the targets are traced and not
-    checked against the vocabulary."""
-    op = "torch_pallas.jax.linear_cross_entropy"
+def check_arguments(op: str, input, weight, target, bias, softcap) -> None:
+    """The head's arguments: input (..., H), weight (V, H), target (...)
+    integer, bias (V,), one float dtype; a soft cap > 0 or None."""
     for name, t in (("input", input), ("weight", weight)):
         if jnp.dtype(t.dtype).name not in FLOATS:
             raise TypeError(f"{op}: {name} has dtype {jnp.dtype(t.dtype).name}; expected one "
@@ -234,21 +233,40 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index: int 
     if not jnp.issubdtype(target.dtype, jnp.integer):
         raise TypeError(f"{op}: target must hold integer classes, got "
                         f"{jnp.dtype(target.dtype).name}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{op}: reduction={reduction!r} must be one of {REDUCTIONS}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{op}: label_smoothing={label_smoothing} must be in [0, 1]")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"{op}: softcap={softcap} must be > 0 (or None: off)")
-    vocab = weight.shape[0]
-    ignored = target == ignore_index
+
+
+def kernel_targets(op: str, target, ignore_index: int, vocab: int):
+    """The targets as the kernels take them, flat int32, -1 where ignored;
+    checked against the vocabulary where their values are known (not under
+    jax.jit)."""
     if not isinstance(target, jax.core.Tracer):  # its values known: checked on the host
         values = np.asarray(target)
         bad = values[(values != ignore_index) & ((values < 0) | (values >= vocab))]
         if bad.size:
             raise IndexError(f"{op}: target holds {int(bad[0])}, not a class in [0, {vocab}) "
                              f"nor ignore_index={ignore_index}")
-    t32 = jnp.where(ignored, -1, target).astype(jnp.int32).reshape(-1)
+    return jnp.where(target == ignore_index, -1, target).astype(jnp.int32).reshape(-1)
+
+
+def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index: int = -100,
+                         reduction: str = "mean", label_smoothing: float = 0.0,
+                         softcap: float | None = None):
+    """F.cross_entropy(z.float(), target, ...) of z = input @ weightᵀ + bias
+    (softcap * tanh(z / softcap) with a softcap), never holding z whole:
+    input (..., H), weight (V, H), target (...) integer classes or
+    `ignore_index`; the loss float32 ("none": target's shape). Every row
+    ignored gives torch's: nan for "mean", 0 for "sum". Differentiable in
+    input, weight and bias. Under jax.jit the targets are traced and not
+    checked against the vocabulary."""
+    op = "torch_pallas.jax.linear_cross_entropy"
+    check_arguments(op, input, weight, target, bias, softcap)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction={reduction!r} must be one of {REDUCTIONS}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing={label_smoothing} must be in [0, 1]")
+    t32 = kernel_targets(op, target, ignore_index, weight.shape[0])
     rows = input.reshape(-1, input.shape[-1])
     if reduction == "none":
         return _loss_rows(rows, weight, bias, t32, float(label_smoothing),

@@ -36,6 +36,8 @@ inside `register()` and `apply()`.
 
 from torch_pallas.transformers.attention import NAME, attention_forward, register
 from torch_pallas.transformers.experts import experts_forward
+from torch_pallas.transformers.log_probs import token_log_probs
 from torch_pallas.transformers.patching import Report, apply
 
-__all__ = ["NAME", "Report", "apply", "attention_forward", "experts_forward", "register"]
+__all__ = ["NAME", "Report", "apply", "attention_forward", "experts_forward", "register",
+           "token_log_probs"]

@@ -57,6 +57,6 @@ setup(
         # tests/test_tpu_compile.py compiles every TPU kernel with (no chip;
         # libtpu ships for Linux only).
         "test": ["pytest", "pytest-xdist", "pytest-benchmark", "matplotlib", "expecttest", "triton>=3.6",
-                 "transformers>=4.56", "jax[tpu]; sys_platform == 'linux'"],
+                 "transformers>=4.56", "trl>=1.16", "jax[tpu]; sys_platform == 'linux'"],
     },
 )

@@ -66,7 +66,7 @@ __all__ = [
 # The integrations `import torch_pallas` leaves unloaded, each imported when
 # first named (`torch_pallas.torchax.register()`): `jax` imports JAX,
 # `transformers`'s register imports transformers.
-_LAZY = ("jax", "torchax", "torch_tpu", "transformers")
+_LAZY = ("jax", "torchax", "torch_tpu", "transformers", "trl")
 
 
 def __getattr__(name: str):

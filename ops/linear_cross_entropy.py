@@ -557,6 +557,18 @@ def error_bound(input, weight, ref) -> torch.Tensor:
         ref.abs() + 1) + 1e-5
 
 
+def example_inputs(device, shape, vocab: int, dtype, has_bias: bool, requires_grad=False):
+    """(x, weight, bias or None, target) of an example call: x `shape`
+    (..., H), random classes with the second token ignored (-100)."""
+    x = (torch.randn(shape, device=device) * 0.5).to(dtype).requires_grad_(requires_grad)
+    w = torch.randn(vocab, shape[-1], device=device).to(dtype).requires_grad_(requires_grad)
+    b = (torch.randn(vocab, device=device).to(dtype).requires_grad_(requires_grad)
+         if has_bias else None)
+    target = torch.randint(0, vocab, shape[:-1], device=device)
+    target.view(-1)[1] = -100
+    return x, w, b, target
+
+
 def examples(device: torch.device, requires_grad: bool) -> list[registry.Example]:
     """A ragged bfloat16 call with a bias, an ignored row and label smoothing
     ("mean"), and a float32 one with a soft cap ("none")."""
@@ -564,12 +576,8 @@ def examples(device: torch.device, requires_grad: bool) -> list[registry.Example
     cases = (((2, 7, 24), 83, torch.bfloat16, True, {"label_smoothing": 0.1}),
              ((9, 16), 300, torch.float32, False, {"reduction": "none", "softcap": 3.0}))
     for shape, vocab, dtype, has_bias, kwargs in cases:
-        x = (torch.randn(shape, device=device) * 0.5).to(dtype).requires_grad_(requires_grad)
-        w = torch.randn(vocab, shape[-1], device=device).to(dtype).requires_grad_(requires_grad)
-        b = (torch.randn(vocab, device=device).to(dtype).requires_grad_(requires_grad)
-             if has_bias else None)
-        target = torch.randint(0, vocab, shape[:-1], device=device)
-        target.view(-1)[1] = -100
+        x, w, b, target = example_inputs(device, shape, vocab, dtype, has_bias,
+                                          requires_grad)
         ref = reference(x, w, target, b, **kwargs)
         found.append(registry.Example((x, w, target, b), kwargs, ref,
                                       error_bound(x, w, ref)))
@@ -613,11 +621,7 @@ def backward_examples(device: torch.device, requires_grad: bool) -> list[registr
     cases = ((11, 20, 70, torch.float16, True, 0.0, None),
              (6, 12, 45, torch.float32, False, 0.2, 2.0))
     for rows, hidden, vocab, dtype, has_bias, smoothing, softcap in cases:
-        x = (torch.randn(rows, hidden, device=device) * 0.5).to(dtype)
-        w = torch.randn(vocab, hidden, device=device).to(dtype)
-        b = torch.randn(vocab, device=device).to(dtype) if has_bias else None
-        target = torch.randint(0, vocab, (rows,), device=device)
-        target[2] = -100
+        x, w, b, target = example_inputs(device, (rows, hidden), vocab, dtype, has_bias)
         _, lse, *_ = torch.ops.pallas.linear_cross_entropy_forward(
             x, w, target, b, -100, "none", smoothing, softcap, [False] * 3)
         grad_loss = torch.randn(rows, device=device)

@@ -358,12 +358,8 @@ def examples(device: torch.device, requires_grad: bool) -> list[registry.Example
              ((9, 16), 300, torch.float32, False, {"softcap": 3.0}))
     for shape, vocab, dtype, has_bias, kwargs in cases:
         kwargs = {**kwargs, "return_entropy": True}
-        x = (torch.randn(shape, device=device) * 0.5).to(dtype).requires_grad_(requires_grad)
-        w = torch.randn(vocab, shape[-1], device=device).to(dtype).requires_grad_(requires_grad)
-        b = (torch.randn(vocab, device=device).to(dtype).requires_grad_(requires_grad)
-             if has_bias else None)
-        target = torch.randint(0, vocab, shape[:-1], device=device)
-        target.view(-1)[1] = -100
+        x, w, b, target = lce.example_inputs(device, shape, vocab, dtype, has_bias,
+                                          requires_grad)
         ref = reference(x, w, target, b, **kwargs)
         temperature = kwargs.get("temperature", 1.0)
         found.append(registry.Example((x, w, target, b), kwargs, ref,
@@ -408,11 +404,7 @@ def backward_examples(device: torch.device, requires_grad: bool) -> list[registr
     cases = ((11, 20, 70, torch.float16, True, 0.7, None),
              (6, 12, 45, torch.float32, False, 1.0, 2.0))
     for rows, hidden, vocab, dtype, has_bias, temperature, softcap in cases:
-        x = (torch.randn(rows, hidden, device=device) * 0.5).to(dtype)
-        w = torch.randn(vocab, hidden, device=device).to(dtype)
-        b = torch.randn(vocab, device=device).to(dtype) if has_bias else None
-        target = torch.randint(0, vocab, (rows,), device=device)
-        target[2] = -100
+        x, w, b, target = lce.example_inputs(device, (rows, hidden), vocab, dtype, has_bias)
         _, entropy, lse = torch.ops.pallas.token_log_probs_forward(x, w, target, b, -100,
                                                                    temperature, softcap)
         args = (torch.randn(rows, device=device), torch.randn(rows, device=device), x, w, target,

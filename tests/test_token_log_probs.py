@@ -20,21 +20,7 @@ from torch_pallas.base import dtypes
 from torch_pallas.ops import linear_cross_entropy as lce_op
 from torch_pallas.ops import token_log_probs as op
 
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Chunks of a few rows, so that small inputs span several (the last
-    one ragged)."""
-    monkeypatch.setattr(lce_op, "MIN_CHUNK_ROWS", 8)
-
-
-def inputs(leading, hidden, vocab, dtype, bias=True, ignored=2):
-    x = (torch.randn(*leading, hidden) * hidden**-0.5 * 3).to(dtype)
-    w = torch.randn(vocab, hidden).to(dtype)
-    b = torch.randn(vocab).to(dtype) if bias else None
-    target = torch.randint(0, vocab, leading)
-    target.view(-1)[torch.randperm(target.numel())[:min(ignored, target.numel() - 1)]] = -100
-    return x, w, target, b
+from test_linear_cross_entropy import inputs, small_chunks  # noqa: F401 (a fixture)
 
 
 # The upstream gradients a loss gives (log-probs, entropy): a policy

@@ -95,10 +95,41 @@ def _cases() -> list[Case]:
                  x, w, t, b, ignore_index=5, reduction="sum")),
         Case("linear_logsumexp_softcap", lambda: (_r(29, 24), _r(70, 24) * 0.3, _r(70)),
              lambda x, w, b: torch.ops.pallas.linear_logsumexp(x, w, b, 3.0)),
+        Case("token_log_probs_ignore_index_softcap_temperature",
+             lambda: (_r(2, 19, 24), _r(90, 24) * 0.3, _r(90),
+                      torch.where(torch.rand(2, 19) < 0.3, 5, torch.randint(0, 90, (2, 19)))),
+             lambda x, w, b, t: torch_pallas.token_log_probs(
+                 x, w, t, b, temperature=0.6, ignore_index=5, return_entropy=True,
+                 softcap=4.0)),
+        # a vocabulary shard's forward (DTensor's vocabulary-split head): targets
+        # past the shard are other shards' tokens, -1 ignored
+        Case("token_log_probs_forward_other_shards",
+             lambda: (_r(23, 16), _r(40, 16), _r(40),
+                      torch.where(torch.rand(23) < 0.2, -1, torch.randint(0, 80, (23,)))),
+             lambda x, w, b, t: torch.ops.pallas.token_log_probs_forward(
+                 x, w, t, b, -1, 0.8, None, True)[:2]),
+        # the backward op asked for d_input and d_bias only
+        Case("token_log_probs_backward_input_and_bias",
+             lambda: (_r(17), _r(17), _r(17, 16), _r(50, 16), torch.randint(0, 50, (17,)),
+                      _r(50)),
+             lambda gl, ge, x, w, t, b: _token_log_probs_backward(gl, ge, x, w, t, b,
+                                                                  [True, False, True])),
         Case("rms_norm_no_rows", lambda: (_r(0, 64), _r(64)),
              lambda x, w: torch_pallas.rms_norm(x, (64,), w)),
+        Case("token_log_probs_no_rows",
+             lambda: (_r(2, 0, 16), _r(40, 16), _r(40), torch.zeros(2, 0, dtype=torch.long)),
+             lambda x, w, b, t: torch_pallas.token_log_probs(x, w, t, b, return_entropy=True)),
     ]
     return found
+
+
+def _token_log_probs_backward(grad_log_prob, grad_entropy, x, w, t, b, grads):
+    """pallas::token_log_probs_backward on the forward's lse and entropy,
+    the gradients in `grads` (no autograd through the backward op)."""
+    with torch.no_grad():
+        _, entropy, lse = torch.ops.pallas.token_log_probs_forward(x, w, t, b, -100, 1.3, 3.0)
+        return torch.ops.pallas.token_log_probs_backward(
+            grad_log_prob, grad_entropy, x, w, t, b, lse, entropy, -100, 1.3, 3.0, grads)
 
 
 CASES = _cases()
@@ -306,7 +337,7 @@ def test_import_registers_a_tpu_kernel_for_every_op_with_a_device_kernel():
         assert has == (name in with_kernels), name
     composites = {n for n, key in ops.items() if key == "CompositeImplicitAutograd"}
     assert {"attention", "varlen_attention", "rms_norm", "layer_norm",
-            "linear_cross_entropy"} <= composites
+            "linear_cross_entropy", "token_log_probs"} <= composites
 
 
 JAX_OP_SCHEMAS = {
@@ -347,6 +378,13 @@ JAX_OP_SCHEMAS = {
                                      "float label_smoothing, float softcap, bool want_input, "
                                      "bool want_weight, bool want_bias) "
                                      "-> (Tensor, Tensor, Tensor)",
+    "token_log_probs_forward": "(Tensor input, Tensor weight, Tensor targets, Tensor? bias, "
+                               "float temperature, float softcap) -> (Tensor, Tensor, Tensor)",
+    "token_log_probs_backward": "(Tensor grad_log_prob, Tensor grad_entropy, Tensor input, "
+                                "Tensor weight, Tensor targets, Tensor? bias, Tensor lse, "
+                                "Tensor entropy, float temperature, float softcap, "
+                                "bool want_input, bool want_weight, bool want_bias) "
+                                "-> (Tensor, Tensor, Tensor)",
     "linear_logsumexp": "(Tensor input, Tensor weight, Tensor? bias, float softcap) -> Tensor",
     "linear_logsumexp_backward": "(Tensor grad, Tensor input, Tensor weight, Tensor? bias, "
                                  "Tensor lse, float softcap, bool want_input, "

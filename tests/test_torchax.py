@@ -144,6 +144,75 @@ def test_a_patched_model_trains_in_torchax_as_on_cpu(env, family):
         np.testing.assert_allclose(out.to("cpu").numpy(), logits.numpy(), rtol=1e-5, atol=1e-5)
 
 
+class LogProbs(torch.nn.Module):
+    """A GRPO-like loss on torch_pallas.transformers.token_log_probs:
+    (loss, log-probs, entropies)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, weights):
+        import torch_pallas.transformers
+
+        log_probs, entropy = torch_pallas.transformers.token_log_probs(
+            self.model, input_ids, attention_mask, temperature=0.7, return_entropy=True)
+        return (weights[0] * log_probs).sum() + 0.1 * (weights[1] * entropy).sum(), log_probs, \
+            entropy
+
+
+@pytest.mark.torchax
+def test_a_patched_models_token_log_probs_in_torchax_as_on_cpu(env):
+    """torch_pallas.transformers.token_log_probs of a left-padded batch
+    through a tiny Llama with attn_implementation="pallas" and `apply()`,
+    a loss mixing log-probs and entropies at a temperature: values (at the
+    positions a real token predicts from) and every parameter's gradient
+    (JAX's, through torchax.extract_jax) eagerly and under jax.jit, against
+    the same call on torch CPU."""
+    import jax
+    import torchax
+    import transformers
+
+    import torch_pallas.transformers
+    from padded_models import padding_of
+
+    length = 11
+    config = transformers.AutoConfig.for_model(
+        "llama", **{**COMMON, "vocab_size": 97, "initializer_range": 0.2})
+    torch_pallas.transformers.register()
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="pallas").train()
+    assert torch_pallas.transformers.apply(model).attention
+    wrapped = LogProbs(model)
+    ids = torch.randint(0, 97, (2, length))
+    mask = padding_of([(4, length - 4), (0, length)], length)
+    real = mask[:, :-1].bool()  # position i predicts token i + 1
+    weights = torch.randn(2, 2, length - 1) * real
+    loss, log_probs, entropy = wrapped(ids, mask, weights)
+    loss.backward()
+    grads = {name: p.grad for name, p in wrapped.named_parameters()}
+
+    states, call = torchax.extract_jax(wrapped)
+    arrays = [jax.numpy.asarray(t.numpy()) for t in (ids, mask, weights)]
+
+    def jax_loss(states, *arrays):
+        loss, log_probs, entropy = call(states, arrays, {})
+        return loss, (log_probs, entropy)
+
+    for run in (lambda f: f, jax.jit):  # eagerly, then compiled
+        (value, outs), jax_grads = run(jax.value_and_grad(jax_loss, has_aux=True))(states,
+                                                                                  *arrays)
+        for got, expected in zip(outs, (log_probs, entropy)):
+            assert got.shape == expected.shape and got.dtype == jax.numpy.float32
+            np.testing.assert_allclose(np.asarray(got)[real.numpy()],
+                                       expected.detach()[real].numpy(), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(value, loss.item(), rtol=1e-5, atol=1e-5)
+        assert set(grads) <= set(jax_grads)
+        for name, grad in grads.items():
+            np.testing.assert_allclose(jax_grads[name], grad.numpy(), rtol=1e-4, atol=1e-5,
+                                       err_msg=name)
+
+
 @pytest.mark.torchax
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt_oss", "mixtral"])
 def test_a_padded_batch_under_jax_jit_matches_the_eager_model(env, family):

@@ -661,6 +661,11 @@ def _log_prob_targets(target, ignore_index: int, vocab: int, other_shards: bool)
 
 def _token_log_probs_forward(input, weight, target, bias, ignore_index, temperature, softcap,
                              other_shards=False):
+    from torch_pallas.ops import token_log_probs as tlp_op
+
+    if input.shape[0] == 0:  # no rows: no kernel (its grid would have no row block)
+        return tlp_op._forward_fake(input, weight, target, bias, ignore_index, temperature,
+                                    softcap)
     return _call("token_log_probs_forward", input, weight,
                  _log_prob_targets(target, ignore_index, weight.shape[0], other_shards), bias,
                  float(temperature), float(softcap or 0.0))
@@ -669,6 +674,12 @@ def _token_log_probs_forward(input, weight, target, bias, ignore_index, temperat
 def _token_log_probs_backward(grad_log_prob, grad_entropy, input, weight, target, bias, lse,
                               entropy, ignore_index, temperature, softcap, grads,
                               other_shards=False):
+    from torch_pallas.ops import token_log_probs as tlp_op
+
+    if input.shape[0] == 0:  # no rows: no gradient
+        return tuple(g.zero_() for g in tlp_op._backward_fake(
+            grad_log_prob, grad_entropy, input, weight, target, bias, lse, entropy,
+            ignore_index, temperature, softcap, grads))
     return _call("token_log_probs_backward", grad_log_prob, grad_entropy, input, weight,
                  _log_prob_targets(target, ignore_index, weight.shape[0], other_shards), bias,
                  lse, entropy, float(temperature), float(softcap or 0.0),
@@ -676,7 +687,7 @@ def _token_log_probs_backward(grad_log_prob, grad_entropy, input, weight, target
 
 
 # pallas:: op -> its tpu kernel. The composites (attention, varlen_attention,
-# rms_norm, layer_norm, linear_cross_entropy) call these ops.
+# rms_norm, layer_norm, linear_cross_entropy, token_log_probs) call these ops.
 KERNELS = {
     "add": _add, "fill": _fill, "iota": _iota, "matmul": _matmul,
     "grouped_mm": _grouped_mm, "grouped_mm_backward": _grouped_mm_backward,

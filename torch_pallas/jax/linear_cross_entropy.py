@@ -267,6 +267,10 @@ def linear_cross_entropy(input, weight, target, bias=None, *, ignore_index: int 
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{op}: label_smoothing={label_smoothing} must be in [0, 1]")
     t32 = kernel_targets(op, target, ignore_index, weight.shape[0])
+    if t32.size == 0:  # no rows: torch's empty reductions (and no grid to run)
+        if reduction == "none":
+            return jnp.zeros(target.shape, jnp.float32)
+        return jnp.float32(jnp.nan if reduction == "mean" else 0.0)
     rows = input.reshape(-1, input.shape[-1])
     if reduction == "none":
         return _loss_rows(rows, weight, bias, t32, float(label_smoothing),

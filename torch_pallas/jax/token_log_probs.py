@@ -107,6 +107,9 @@ def token_log_probs(input, weight, target, bias=None, *, temperature: float = 1.
     check_arguments(op, input, weight, target, bias, softcap)
     check_temperature(op, temperature)
     t32 = kernel_targets(op, target, ignore_index, weight.shape[0])
+    if t32.size == 0:  # no tokens: nothing to score (and no grid to run)
+        empty = jnp.zeros(target.shape, jnp.float32)
+        return (empty, empty) if return_entropy else empty
     log_prob, entropy = _rows(input.reshape(-1, input.shape[-1]), weight, bias, t32,
                               float(temperature), float(softcap or 0.0))
     log_prob = log_prob.reshape(target.shape)

@@ -1463,7 +1463,8 @@ def time_linear_cross_entropy(ctx: Context) -> None:
 # --- training ---------------------------------------------------------------------
 
 TRAINING_SUITES = ("bench_rms_norm.py", "bench_layer_norm.py", "bench_rotary_embedding.py",
-                   "bench_swiglu.py", "bench_linear_cross_entropy.py", "bench_grouped_mm.py")
+                   "bench_swiglu.py", "bench_linear_cross_entropy.py", "bench_token_log_probs.py",
+                   "bench_grouped_mm.py")
 
 
 def run_training_suites(ctx: Context) -> None:

@@ -491,6 +491,41 @@ def linear_cross_entropy_case(tokens: int = 8192, hidden: int = 4096, vocab: int
         unit="TFLOP/s", goal="memory <= 0.25x, time <= 1.1x the unfused loss")
 
 
+def token_log_probs_case(tokens: int = 8192, hidden: int = 4096, vocab: int = 151936):
+    """Forward+backward of a GRPO-like loss of the per-token log-probs at
+    temperature 0.7 and their entropies (tests/tpu_programs.py's: the
+    log-probs weighted per token, an entropy bonus) through the JAX-side
+    form against XLA's unfused twin (the whole float32 logits over the
+    temperature, log_softmax, the targets' gather, the entropy): time, and
+    each compiled program's memory beyond its arguments."""
+    import tpu_programs  # tests/, beside tpu_builds
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((tokens, hidden), np.float32), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((vocab, hidden), np.float32) * 0.02, jnp.bfloat16)
+    t = jnp.asarray(rng.integers(0, vocab, tokens), jnp.int32)
+    a = jnp.asarray(rng.standard_normal(tokens), jnp.float32)  # per-token advantages
+    functions = {
+        "ours": jax.value_and_grad(tpu_programs.fused_log_probs_loss, (0, 1)),
+        "unfused xla": jax.value_and_grad(tpu_programs.unfused_log_probs_loss, (0, 1)),
+    }
+    MEMORY.clear()
+    times = compare(functions, {name: [x, w, t, a] for name in functions}, skip_failures=True)
+
+    def gib(name):  # a program that does not fit the chip: its error
+        if name not in MEMORY:
+            return times.pop(name)
+        return f"{(MEMORY[name].temp_size_in_bytes + MEMORY[name].output_size_in_bytes) / 2**30:.2f} GiB"
+
+    memory = {name: gib(name) for name in functions}
+    name = (f"token_log_probs bf16 {tokens} tokens, hidden {hidden}, V={vocab}, T "
+            f"{tpu_programs.TEMPERATURE}, log-probs and entropy, fwd+bwd")
+    row(f"{name} (memory beyond the arguments: ours {memory['ours']}; unfused "
+        f"{memory['unfused xla']})", times.get("ours"),
+        {n: v for n, v in times.items() if n != "ours"}, work=3 * 2.0 * tokens * hidden * vocab,
+        unit="TFLOP/s", goal="memory <= 0.3x, time <= 1.1x the unfused log-probs")
+
+
 def through_torch_case(n: int = 4096):
     """One matmul call on CPU torch tensors through the `tpu` backend:
     host -> chip -> host with the kernel, against the kernel alone."""
@@ -709,6 +744,7 @@ CASES = {
     "memory_bound": memory_bound_cases,
     "linear_cross_entropy": lambda: [linear_cross_entropy_case(tokens)
                                      for tokens in (2048, 4096, 8192)],
+    "token_log_probs": lambda: [token_log_probs_case(tokens) for tokens in (4096, 8192)],
     "through_torch": through_torch_case,
     "bounds": bounds_case,
     "sweep_attention": attention_sweep,

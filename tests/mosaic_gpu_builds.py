@@ -29,7 +29,7 @@ found through CUDA_ROOT).
 
 The builds are tests/tpu_builds.py's, for the Mosaic GPU family: the op's
 examples and realistic LLM-sized calls (`REALISTIC`, H100-sized: matmul up
-to 8192^3, attention over 4096 tokens, 128 experts, a 128256-word vocab),
+to 8192^3, attention over 4096 tokens, 128 experts, 128256- and 151936-word vocabs),
 forward and backward, recorded without computing anything; their configs
 are the ones the `mosaic_gpu` backend picks on the GPU (the device's kind
 and SM count; no tuned configs: the shipped ones), float32 products as TF32
@@ -143,6 +143,11 @@ REALISTIC: dict[str, list[Case]] = {
         Case("8192 tokens x 4096, V 128256",
              tpu_builds._linear_cross_entropy(8192, 4096, 128256), exhaustive=True),
         Case("4096 tokens x 1024, V 32000", tpu_builds._linear_cross_entropy(4096, 1024, 32000)),
+    ],
+    "token_log_probs": [
+        Case("8192 tokens x 4096, V 151936",
+             tpu_builds._token_log_probs(8192, 4096, 151936), exhaustive=True),
+        Case("4096 tokens x 1024, V 32000", tpu_builds._token_log_probs(4096, 1024, 32000)),
     ],
 }
 

@@ -19,7 +19,7 @@ One case per (op, GPU, tier): the default tier holds the op's examples (in
 every dtype) and its realistic shapes in bfloat16, for the H100, in the
 default run; `exhaustive` (pytest -m exhaustive) the other dtypes and the
 larger shapes (matmul at 8192^3, the attention variants, 8 experts of
-4096x14336, a 128256-word vocab), and the H200. Each case asserts: no
+4096x14336, 128256- and 151936-word vocabs), and the H200. Each case asserts: no
 failed compile, no kernel that spills, every kernel within a Hopper block's
 shared memory, and HGMMA in each wgmma kernel (mosaic_gpu_builds.WGMMA_KERNELS).
 A build whose kernels match ones compiled earlier in the process reuses

@@ -132,10 +132,12 @@ def test_bundles_report_names_each_kernel_and_its_regions():
     for chip in tpu_builds.CHIPS])
 def test_jax_programs_compile_for_tpu(chip):
     """Kernels composed under one jit, as the JAX forms make them
-    (tests/tpu_programs.py: the chunked loss, matmul, grouped_mm and
-    attention in a scan over layers, forward and backward), compile for the
-    chip: XLA's fusions around a kernel's call must keep the VMEM it asked for;
-    and the fused loss takes at most a quarter of the unfused loss's memory."""
+    (tests/tpu_programs.py: the chunked loss, token_log_probs, matmul,
+    grouped_mm and attention in a scan over layers, forward and backward),
+    compile for the chip: XLA's fusions around a kernel's call must keep the
+    VMEM it asked for; and each fused program takes at most its goal's share
+    of its unfused twin's memory (tpu_programs.MEMORY_GOALS: the loss a
+    quarter, token_log_probs 0.3)."""
     tier = "default" if chip == DEFAULT_CHIP else "all"
     results = tpu_builds.run_json_script(tpu_programs.__file__, ["--chips", chip, "--tier", tier],
                                          TIMEOUT_S["default"])[chip]
@@ -143,6 +145,10 @@ def test_jax_programs_compile_for_tpu(chip):
     assert sorted(results) == sorted(tpu_programs.programs(tier)), results
     failed = {name: error for name, error in results.items() if error != "ok"}
     assert not failed, "\n".join(f"{name}: {error}" for name, error in failed.items())
-    # the issue's goal: at most a quarter of the unfused loss's memory (v5e, 2026-12: 0.17)
-    fused, unfused = (memory[name] for name in tpu_programs.UNFUSED_PAIR)
-    assert fused <= 0.25 * unfused, (fused / 2**30, unfused / 2**30)
+    # the issues' goals (v5e, 2026-12): linear_cross_entropy at most a quarter of
+    # the unfused loss's memory (0.17); token_log_probs at most 0.3x its unfused
+    # twin's (0.29: 2.41 GiB against 8.18; 1.2 GiB of it a padded copy of the
+    # 151936 x 4096 weight that the matmul makes, at V = 128 x 1187, a prime)
+    for pair, goal in tpu_programs.MEMORY_GOALS.items():
+        fused, unfused = (memory[name] for name in pair)
+        assert fused <= goal * unfused, (pair[0], fused / 2**30, unfused / 2**30, goal)

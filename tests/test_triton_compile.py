@@ -13,8 +13,9 @@ A case fails, listing every offender, where:
 - a cubin asks for more shared memory than an H100 block may have
   (232448 B; Triton checks only when the cubin loads on a GPU);
 - a hot kernel (matmul, attention forward and backward, grouped_mm and its
-  backward, linear_cross_entropy's loss and gradient) spills registers to
-  local memory in any config a launch may use;
+  backward, linear_cross_entropy's loss and gradient, token_log_probs' and
+  its gradient) spills registers to local memory in any config a launch may
+  use;
 - a bfloat16 launch of a tensor-core kernel (matmul, attention, grouped_mm)
   has no config that uses Hopper's HGMMA.
 
@@ -41,7 +42,8 @@ TIMEOUT_S = {"default": 900, "exhaustive": 3600}
 # Kernels on a training step's hot path: no spills in any config.
 HOT_KERNELS = ("matmul_kernel", "attention_kernel", "attention_dkdv_kernel",
                "attention_dq_kernel", "grouped_mm_kernel", "grouped_mm_backward_kernel",
-               "loss_kernel", "logit_gradient_kernel")
+               "loss_kernel", "logit_gradient_kernel", "log_prob_kernel",
+               "log_prob_gradient_kernel")
 # Spills found in the launchers' autotune candidates and not yet pruned:
 # kernel -> (dtype, BLOCK_M, BLOCK_N, num_warps, num_stages, BLOCK_E) of
 # each. A spill not listed fails; a listed one that no longer spills is

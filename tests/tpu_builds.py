@@ -214,6 +214,21 @@ def _linear_cross_entropy(tokens, hidden, vocab):
     return call
 
 
+def _token_log_probs(tokens, hidden, vocab):
+    """A GRPO step's call: log-probs at temperature 0.7 and the entropy,
+    backward through both (token_log_probs_backward's builds, by autograd)."""
+    def call(dtype):
+        import torch
+
+        import torch_pallas
+
+        target = torch.randint(0, vocab, (tokens,))
+        _backward(*torch_pallas.token_log_probs(_tensor((tokens, hidden), dtype),
+                                                _tensor((vocab, hidden), dtype), target,
+                                                temperature=0.7, return_entropy=True))
+    return call
+
+
 def _swiglu(tokens, width):
     def call(dtype):
         import torch_pallas
@@ -287,6 +302,12 @@ REALISTIC: dict[str, list[Case]] = {
                         _grouped_mm((700, 300, 1024, 0, 512, 260, 900, 400), 1024, 1792))],
     "linear_cross_entropy": [Case("4096 tokens x 1024, V 32000",
                                   _linear_cross_entropy(4096, 1024, 32000))],
+    "token_log_probs": [
+        Case("4096 tokens x 1024, V 32000", _token_log_probs(4096, 1024, 32000)),
+        # Qwen's vocabulary (GRPO's usual policies)
+        Case("4096 tokens x 1024, V 151936", _token_log_probs(4096, 1024, 151936),
+             exhaustive=True),
+    ],
     "swiglu": [Case("4096x11008", _swiglu(4096, 11008))],
     "rotary_embedding": [Case("B2 H32/8 L2048 D128", _rotary_embedding(2, 32, 8, 2048, 128))],
     "rotary_embedding_backward": [Case("B2 H32/8 L2048 D128",

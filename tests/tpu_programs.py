@@ -13,7 +13,9 @@ each of its kernels compiled alone. Here: that loss, and the kernels that
 ask for a VMEM limit (matmul, grouped_mm, attention's backward) inside a
 scan over layers, forward and backward, bfloat16. And the loss's memory
 against the unfused loss's (XLA's analysis of each compiled program, beyond
-its arguments): a padded copy of the 1 GiB weight once doubled it.
+its arguments): a padded copy of the 1 GiB weight once doubled it; likewise
+token_log_probs (both outputs, forward and backward, at Qwen's vocabulary)
+against XLA's unfused twin (MEMORY_GOALS: each pair's bound).
 
     python tests/tpu_programs.py [--chips v5e,v6e] [--tier default|all]
 
@@ -30,6 +32,43 @@ LAYERS = 2  # a scan over stacked weights, its outputs stacked
 # (fused loss, the unfused loss) on the same inputs: their memory compared
 UNFUSED_PAIR = ("linear_cross_entropy 8192 tokens x 4096, V 128256",
                 "the unfused loss (bfloat16 logits, float32 log-softmax), the same")
+
+
+# token_log_probs (GRPO's per-token log-probs at a temperature and the entropy)
+# against XLA's unfused twin on the same inputs: the issue's goal is at most
+# 0.3x its memory on v5e
+TEMPERATURE, ENTROPY_BONUS = 0.7, 0.01
+LOG_PROBS_PAIR = ("token_log_probs 8192 tokens x 4096, V 151936",
+                  "the unfused log-probs and entropy (logits / T, log_softmax, gather), the same")
+# each pair's fused program's memory at most this share of its twin's
+MEMORY_GOALS = {UNFUSED_PAIR: 0.25, LOG_PROBS_PAIR: 0.3}
+
+
+def log_probs_loss(log_probs, entropy, weights):
+    """A policy-gradient loss of the per-token log-probs and entropies: the
+    log-probs weighted by each token's advantage, with an entropy bonus."""
+    return -(weights * log_probs).sum() - ENTROPY_BONUS * entropy.sum()
+
+
+def fused_log_probs_loss(x, w, t, weights):
+    import torch_pallas.jax as tpj
+
+    return log_probs_loss(*tpj.token_log_probs(x, w, t, temperature=TEMPERATURE,
+                                               return_entropy=True), weights)
+
+
+def unfused_log_probs_loss(x, w, t, weights):
+    """The loss as a trainer computes it without the fused op (TRL's
+    selective_log_softmax and entropy_from_logits): the whole logits over
+    the temperature, in float32."""
+    import jax
+    import jax.numpy as jnp
+
+    z = jnp.dot(x, w.T).astype(jnp.float32) / TEMPERATURE
+    log_p = jax.nn.log_softmax(z, -1)
+    log_probs = jnp.take_along_axis(log_p, t[:, None], 1)[:, 0]
+    entropy = -(jnp.exp(log_p) * log_p).sum(-1)
+    return log_probs_loss(log_probs, entropy, weights)
 
 
 def unfused_loss(x, w, t):
@@ -68,7 +107,7 @@ def programs(tier: str = "all"):
 
     import torch_pallas.jax as tpj
 
-    bf16, i32 = jnp.bfloat16, jnp.int32
+    bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
     tokens, hidden = 4096, 4096
     ends = jnp.asarray([300, 1100, 1500, 2300, 2301, 3000, 3700, 4096], i32)
 
@@ -83,6 +122,10 @@ def programs(tier: str = "all"):
         # Llama 3's vocabulary, 8192 tokens: 16 chunks of 512 rows
         UNFUSED_PAIR[0]: (lambda x, w, t: tpj.linear_cross_entropy(x, w, t), loss(128256, 8192)),
         UNFUSED_PAIR[1]: (unfused_loss, loss(128256, 8192)),
+        # Qwen's vocabulary, 8192 tokens (32 chunks of 256 rows), both
+        # outputs; per-token weights (advantages) as a fourth argument
+        LOG_PROBS_PAIR[0]: (fused_log_probs_loss, [*loss(151936, 8192), ((8192,), f32)]),
+        LOG_PROBS_PAIR[1]: (unfused_log_probs_loss, [*loss(151936, 8192), ((8192,), f32)]),
         f"matmul {tokens} x {hidden} x {hidden} in a scan of {LAYERS} layers": (
             _scan_layers(tpj.matmul),
             [((tokens, hidden), bf16), ((LAYERS, hidden, hidden), bf16)]),

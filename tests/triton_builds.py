@@ -34,7 +34,7 @@ with the triton wheel (triton/backends/nvidia/bin).
 The calls of an op: the H100's, which the Mosaic GPU compile takes too
 (tests/mosaic_gpu_builds.py's REALISTIC: Llama-like products, 4096-token
 attention, packed sequences, Mixtral- and Qwen3-MoE-like expert products,
-8192-wide rows, a 128256-word vocabulary; `calls`), and the registered
+8192-wide rows, 128256- and 151936-word vocabularies; `calls`), and the registered
 examples.
 
 Run as a script, in a process of its own (without TRITON_INTERPRET: the

@@ -82,7 +82,8 @@ TRL_METHOD = "_get_per_token_logps_and_entropies"
 # The arguments of TRL's method that the fused path reads, in TRL's order;
 # every other one is a model input (vision-language models') that it does not
 # pass, served by TRL's method whenever it is not None.
-TRL_LEADING_PARAMETERS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size",
+TRL_LEADING_PARAMETERS = ("self", "model", "input_ids", "attention_mask", "logits_to_keep",
+                          "batch_size",
                           "compute_entropy", "compute_aux_loss")
 
 
@@ -108,12 +109,15 @@ class FusedLogProbs:
 
     @profiling_decorator
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep,
-                                           batch_size=None, compute_entropy=False, compute_aux_loss=False,
+                                           batch_size=None, compute_entropy=False,
+                                           compute_aux_loss=False,
                                            **model_inputs):
         given = model
-        if is_compiled_module(model):  # (accelerate's `dynamo_backend`, the Trainer's `torch_compile`)
+        # (accelerate's `dynamo_backend`, the Trainer's `torch_compile`)
+        if is_compiled_module(model):
             model = model._orig_mod  # its decoder then runs eagerly, before the op
-        why = self._fused_log_probs_refusal(model, input_ids, logits_to_keep, compute_aux_loss, model_inputs)
+        why = self._fused_log_probs_refusal(model, input_ids, logits_to_keep, compute_aux_loss,
+                                            model_inputs)
         if why is not None:
             warnings.warn(f"{WHERE}: per-token log-probs through TRL's own {TRL_METHOD}: {why}",
                           stacklevel=2)
@@ -148,17 +152,20 @@ class FusedLogProbs:
         if inputs:
             return f"the model takes inputs besides the tokens ({', '.join(inputs)})"
         if compute_aux_loss:
-            return "the MoE load-balancing loss (compute_aux_loss) comes from TRL's forward's router logits"
+            return ("the MoE load-balancing loss (compute_aux_loss) comes from TRL's forward's "
+                    "router logits")
         if self.accelerator.unwrap_model(model) is not model:
-            return (f"the model is inside a {type(model).__name__}, whose forward synchronises gradients "
-                    "or gathers parameters")
+            return (f"the model is inside a {type(model).__name__}, whose forward synchronises "
+                    "gradients or gathers parameters")
         if is_peft_model(model):
             return "a PEFT model applies its adapters in its own forward"
         if getattr(self.args, "cast_lm_head_to_fp32", False):
-            return "cast_lm_head_to_fp32=True projects the hidden states in float32 outside autocast"
+            return ("cast_lm_head_to_fp32=True projects the hidden states in float32 outside "
+                    "autocast")
         length = input_ids.size(1)
         if not 0 < logits_to_keep < length:
-            return f"logits_to_keep={logits_to_keep} is not in 1 .. {length - 1} (the sequence's length - 1)"
+            return (f"logits_to_keep={logits_to_keep} is not in 1 .. {length - 1} (the sequence's "
+                    "length - 1)")
         # a model whose logits are more than its LM head's product (a logit scale, say)
         return log_probs.refusal(model)
 
